@@ -1,0 +1,182 @@
+"""Every argument check of the public API, in one place.
+
+Each check raises an ArgumentValueError / ArgumentTypeError that names the argument, what was
+expected, what arrived and, where it helps, how to fix it. Validated values are returned in
+a normalised form (arrays as np.ndarray, channel_axis non-negative, ...), so that nothing
+downstream needs to check again.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Optional, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from .errors import ArgumentTypeError, ArgumentValueError
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+FLOAT16 = np.dtype(np.float16)
+FLOAT32 = np.dtype(np.float32)
+FLOAT64 = np.dtype(np.float64)
+SUPPORTED_DTYPES = (FLOAT64, FLOAT32, FLOAT16, BFLOAT16)
+HALF_DTYPES = (FLOAT16, BFLOAT16)
+_DTYPE_NAMES = "float64, float32, float16 or bfloat16"
+
+
+def is_half(dtype: np.dtype) -> bool:
+    return np.dtype(dtype) in HALF_DTYPES
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def data_array(name: str, value: Any) -> np.ndarray:
+    """A data array (input, grad_out): any array-like of a supported floating dtype, ndim >= 2."""
+    if value is None:
+        raise ArgumentTypeError(f"{name}: expected an array, got None")
+    if hasattr(value, "__torch_function__"):
+        raise ArgumentTypeError(
+            f"{name}: expected a NumPy array, got a torch.Tensor; use bngrad.torch for tensors "
+            "or pass tensor.numpy()")
+    array = np.asarray(value)
+    if array.dtype not in SUPPORTED_DTYPES:
+        raise ArgumentTypeError(
+            f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}"
+            + ("; convert it with .astype(np.float32)" if array.dtype.kind in "iub" else ""))
+    if array.ndim < 2:
+        raise ArgumentValueError(
+            f"{name}: expected at least 2 dimensions (N, C, ...), got shape {array.shape}; "
+            "for a single sample add a batch axis with x[None]")
+    return array
+
+
+def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray) -> None:
+    if grad_out.shape != input.shape:
+        raise ArgumentValueError(
+            f"grad_out: expected the shape of input {input.shape}, got shape {grad_out.shape}")
+    if grad_out.dtype != input.dtype:
+        raise ArgumentTypeError(
+            f"grad_out: expected the dtype of input ({input.dtype}), got dtype {grad_out.dtype}")
+
+
+def channel_axis(value: Any, ndim: int) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"channel_axis: expected an int, got {_describe(value)}")
+    axis = int(value)
+    if not -ndim <= axis < ndim:
+        raise ArgumentValueError(
+            f"channel_axis: expected an axis in [{-ndim}, {ndim - 1}] for a {ndim}-D input, "
+            f"got {axis}")
+    return axis % ndim
+
+
+def param_vector(name: str, value: Any, n_channels: int, input_dtype: np.dtype
+                 ) -> Optional[np.ndarray]:
+    """A per-channel parameter: None, or a 1-D array of length C.
+
+    Its dtype must be the input's, or float32 (or float64) for a float16/bfloat16 input
+    (mixed precision, as in PyTorch).
+    """
+    if value is None:
+        return None
+    if hasattr(value, "__torch_function__"):
+        raise ArgumentTypeError(f"{name}: expected a NumPy array, got a torch.Tensor")
+    array = np.asarray(value)
+    if array.dtype not in SUPPORTED_DTYPES:
+        raise ArgumentTypeError(
+            f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}")
+    if array.shape != (n_channels,):
+        raise ArgumentValueError(
+            f"{name}: expected shape ({n_channels},) (one value per channel), got shape "
+            f"{array.shape}")
+    allowed = (input_dtype,) + ((FLOAT32, FLOAT64) if is_half(input_dtype) else ())
+    if array.dtype not in allowed:
+        raise ArgumentTypeError(
+            f"{name}: expected dtype {' or '.join(str(d) for d in allowed)} for a "
+            f"{input_dtype} input, got dtype {array.dtype}; convert it with "
+            f".astype(input.dtype)")
+    return array
+
+
+def param_dtype(input_dtype: np.dtype, weight: Optional[np.ndarray],
+                stats: Sequence[Optional[np.ndarray]]) -> np.dtype:
+    """dtype of grad_weight / grad_bias.
+
+    The weight's dtype when a weight is given; otherwise float32 for a float16/bfloat16 input
+    whose statistics are float32 (PyTorch's mixed precision), else the input's dtype.
+    """
+    if weight is not None:
+        return weight.dtype
+    if is_half(input_dtype):
+        for s in stats:
+            if s is not None and not is_half(s.dtype):
+                return FLOAT32
+    return input_dtype
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ArgumentTypeError(f"{name}: expected True or False, got {_describe(value)}")
+    return bool(value)
+
+
+def eps(value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"eps: expected a float >= 0, got {_describe(value)}")
+    value = float(value)
+    if math.isnan(value) or value < 0 or math.isinf(value):
+        raise ArgumentValueError(f"eps: expected a finite float >= 0, got {value}")
+    return value
+
+
+def momentum(value: Any) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ArgumentTypeError(f"momentum: expected a float, got {_describe(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ArgumentValueError(f"momentum: expected a finite float, got {value}")
+    return value
+
+
+def output_mask(value: Any) -> tuple[bool, bool, bool]:
+    try:
+        items = tuple(value)
+    except TypeError:
+        items = None
+    if items is None or len(items) != 3 or not all(isinstance(v, (bool, np.bool_)) for v in items):
+        raise ArgumentValueError(
+            "output_mask: expected three booleans (grad_input, grad_weight, grad_bias), "
+            f"got {_describe(value)}")
+    return tuple(bool(v) for v in items)  # type: ignore[return-value]
+
+
+def num_threads(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"num_threads: expected None or an int >= 1, got {_describe(value)}")
+    if value < 1:
+        raise ArgumentValueError(f"num_threads: expected None or an int >= 1, got {int(value)}")
+    return int(value)
+
+
+def count(value: Any) -> float:
+    """Elements per channel over all participants: a positive number, or an array of counts."""
+    try:
+        total = float(np.sum(np.asarray(value, dtype=np.float64)))
+    except (TypeError, ValueError):
+        raise ArgumentTypeError(
+            f"count: expected a positive number (or an array of per-rank counts), got "
+            f"{_describe(value)}") from None
+    if not total > 0 or math.isinf(total):
+        raise ArgumentValueError(f"count: expected a positive finite total, got {total}")
+    return total

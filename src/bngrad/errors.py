@@ -1,0 +1,17 @@
+"""bngrad's exceptions: ordinary ValueError / TypeError subclasses, so callers catch them as usual."""
+
+from __future__ import annotations
+
+__all__ = ["BngradError", "ArgumentValueError", "ArgumentTypeError"]
+
+
+class BngradError(Exception):
+    """Base class of every exception bngrad raises on purpose."""
+
+
+class ArgumentValueError(BngradError, ValueError):
+    """An argument has the right type but an unusable value (shape, length, range, ...)."""
+
+
+class ArgumentTypeError(BngradError, TypeError):
+    """An argument has the wrong type or dtype."""
