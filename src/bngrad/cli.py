@@ -1,0 +1,42 @@
+"""The `bngrad` command: glue only — argument parsing and dispatch, no maths, no tolerances.
+
+Each subcommand lives in the module that owns its feature and provides two functions:
+``add_arguments(parser)`` and ``run(args) -> int`` (the exit code).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib import import_module
+from typing import Optional, Sequence
+
+# subcommand -> (module with add_arguments/run, one-line help)
+SUBCOMMANDS = {
+    "bench": ("bngrad._cli_bench", "time bngrad against PyTorch and the memory floor"),
+    "vectors": ("bngrad._cli_vectors", "write golden test vectors for the DSP BatchNormGrad"),
+    "compare": ("bngrad._cli_compare", "compare a device's outputs with golden vectors"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="bngrad", description="Batch-norm gradients on NumPy arrays.")
+    parser.add_argument("--version", action="version", version=f"bngrad {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        import_module(module).add_arguments(command)
+        command.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
