@@ -1,0 +1,132 @@
+"""Zero-copy conversion between CPU torch tensors and NumPy arrays.
+
+bngrad's kernels work on NumPy arrays; the torch layer hands them *views* of the tensors'
+memory, never copies, so a training step costs no extra full-size traffic. Strides are kept
+as they are: a channels_last tensor becomes a NumPy array with the same (N, C, H, W) shape and
+NHWC strides, and the core API returns grad_input in the input's axis order, which comes back
+as a channels_last tensor again.
+
+bfloat16 has no NumPy dtype of its own; ``ml_dtypes.bfloat16`` has the same bits, so we go
+through an int16 view on both sides (``tensor.view(torch.int16)`` reinterprets, whatever the
+strides, because the element size does not change).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from ..errors import ArgumentTypeError, ArgumentValueError
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "from_numpy",
+    "is_supported_device",
+    "numpy_dtype",
+    "to_numpy",
+    "to_numpy_optional",
+    "torch_dtype",
+]
+
+#: torch dtype -> NumPy dtype with the same bits, for every dtype bngrad computes in.
+_TORCH_TO_NUMPY = {
+    torch.float64: np.dtype(np.float64),
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+}
+_NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
+
+SUPPORTED_DTYPES = tuple(_TORCH_TO_NUMPY)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def is_supported_device(tensor: torch.Tensor) -> bool:
+    """True when bngrad can compute on ``tensor`` in place: a plain CPU (strided) tensor.
+
+    Everything else (CUDA, MPS, meta, sparse, ...) is left to PyTorch by the callers. Kept as one
+    small function so the fallback path can be tested on a CPU-only machine by patching it.
+    """
+    return tensor.device.type == "cpu" and tensor.layout == torch.strided
+
+
+def numpy_dtype(dtype: torch.dtype, name: str = "tensor") -> np.dtype:
+    """The NumPy dtype with the same bits as torch ``dtype`` (bfloat16 -> ml_dtypes.bfloat16)."""
+    try:
+        return _TORCH_TO_NUMPY[dtype]
+    except KeyError:
+        raise ArgumentTypeError(
+            f"{name} must be float64, float32, float16 or bfloat16, got {dtype}; "
+            "cast it with .to(torch.float32) first") from None
+
+
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
+    """The torch dtype with the same bits as NumPy ``dtype`` (inverse of :func:`numpy_dtype`)."""
+    try:
+        return _NUMPY_TO_TORCH[np.dtype(dtype)]
+    except KeyError:
+        raise ArgumentTypeError(
+            f"expected a float64, float32, float16 or bfloat16 array, got {np.dtype(dtype)}") from None
+
+
+def to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory: same shape, same strides, no copy.
+
+    The tensor is detached first (autograd is the caller's business). bfloat16 tensors become
+    ``ml_dtypes.bfloat16`` arrays. Writing into the result writes into the tensor.
+
+    Parameters
+    ----------
+    tensor : torch.Tensor
+        A CPU, strided tensor of float64, float32, float16 or bfloat16, any strides.
+    name : str
+        Argument name used in error messages.
+
+    Raises
+    ------
+    ArgumentTypeError
+        ``tensor`` is not a tensor or has an unsupported dtype.
+    ArgumentValueError
+        ``tensor`` is not a CPU strided tensor.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not is_supported_device(tensor):
+        raise ArgumentValueError(
+            f"{name} must be a CPU tensor with strided layout to be viewed as a NumPy array; got "
+            f"device={tensor.device}, layout={tensor.layout}. Move it with .cpu() first.")
+    numpy_dtype(tensor.dtype, name)  # raises on unsupported dtypes
+    t = tensor.detach()
+    if t.is_neg():  # a lazily negated view cannot be shared with NumPy; this rare case copies
+        t = t.resolve_neg()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_BF16)
+    return t.numpy()
+
+
+def to_numpy_optional(tensor: Optional[torch.Tensor], name: str = "tensor") -> Optional[np.ndarray]:
+    """:func:`to_numpy`, passing ``None`` through (for optional weight, bias, running stats)."""
+    return None if tensor is None else to_numpy(tensor, name)
+
+
+def from_numpy(array: np.ndarray) -> torch.Tensor:
+    """A CPU tensor sharing ``array``'s memory: same shape, same strides, no copy.
+
+    ``ml_dtypes.bfloat16`` arrays become ``torch.bfloat16`` tensors. Arrays with negative
+    strides (which torch cannot represent) are copied once into C order; bngrad's own outputs
+    never have them.
+    """
+    array = np.asarray(array)
+    dtype = torch_dtype(array.dtype)
+    if any(s < 0 for s in array.strides):
+        array = np.ascontiguousarray(array)
+    if not array.flags.writeable:
+        # torch.from_numpy warns on read-only arrays; a read-only view is only handed to us
+        # for inputs we never write, but tensors must be writable, so copy this rare case.
+        array = array.copy()
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
