@@ -1,0 +1,80 @@
+"""Any strides -> one of two canonical dense views, or one copy.
+
+An array that is dense in *some* axis order is transposed (a view) into that memory order,
+where it is C-contiguous. With the channel axis at position k of that order, the view reshapes
+(still a view) to channels-first ``(A, C, B)`` — A the product of the axes before k, B of those
+after — or, when B == 1, to channels-last ``(A, C)``. NCHW gives (N, C, H*W); NHWC strides give
+(N*H*W, C); 2-D (N, C) gives (N, C); any other dense permutation works the same way.
+
+grad_out is read in input's memory order; if it is not dense in that order it is copied once.
+An input that is not dense in any order (sliced, padded, negative strides) is copied once into
+grad_out's order when grad_out is dense, else into C order. grad_input is allocated in the
+order that was used, which is input's own order whenever input is dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .kernels import as_kernel_array
+
+
+def _memory_order(array: np.ndarray) -> Optional[tuple[int, ...]]:
+    """Axis order in which ``array`` is C-contiguous, or None if there is none."""
+    order = tuple(sorted(range(array.ndim), key=lambda axis: -array.strides[axis]))
+    if array.transpose(order).flags.c_contiguous and min(array.strides, default=0) >= 0:
+        return order
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Canonical kernel views of input (and grad_out) and how to make outputs like them."""
+
+    x: np.ndarray                  # (A, C, B) or (M, C), kernel element type
+    dy: Optional[np.ndarray]       # same shape as x, or None
+    order: tuple[int, ...]         # memory order of the logical axes used for x, dy and outputs
+    channel_axis: int
+    copied: tuple[str, ...]        # arguments that had to be copied (for the curious)
+
+    @property
+    def channels_last(self) -> bool:
+        return self.x.ndim == 2
+
+    def empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """(kernel view, user array) of a new array shaped like input, in the plan's order."""
+        memory = np.empty(tuple(shape[axis] for axis in self.order), dtype=dtype)
+        user = memory.transpose(np.argsort(self.order))
+        return as_kernel_array(memory).reshape(self.x.shape), user
+
+
+def _canonical(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
+    shape = memory_ordered.shape
+    A = int(np.prod(shape[:channel_position], dtype=np.int64))
+    B = int(np.prod(shape[channel_position + 1:], dtype=np.int64))
+    C = shape[channel_position]
+    canonical = (A, C) if B == 1 else (A, C, B)
+    return as_kernel_array(memory_ordered).reshape(canonical)
+
+
+def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -> Plan:
+    copied = []
+    order = _memory_order(input)
+    if order is None:
+        copied.append("input")
+        order = (_memory_order(grad_out) if grad_out is not None else None) \
+            or tuple(range(input.ndim))
+    x = np.ascontiguousarray(input.transpose(order))
+    dy = None
+    if grad_out is not None:
+        dy = grad_out.transpose(order)
+        if not dy.flags.c_contiguous:
+            copied.append("grad_out")
+            dy = np.ascontiguousarray(dy)
+    position = order.index(channel_axis)
+    return Plan(x=_canonical(x, position),
+                dy=None if dy is None else _canonical(dy, position),
+                order=order, channel_axis=channel_axis, copied=tuple(copied))

@@ -1,0 +1,361 @@
+"""The public functions: validate once -> plan the layout -> run the kernels.
+
+Semantics follow PyTorch's ``torch.ops.aten.native_batch_norm_backward`` / ``native_batch_norm``
+on the CPU (see README for where bngrad deliberately does better).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _validate as check
+from . import kernels
+from ._layout import plan
+from ._threads import parallel_region
+from .errors import ArgumentValueError
+
+__all__ = [
+    "batch_norm_backward",
+    "batch_norm_backward_elemt",
+    "batch_norm_backward_reduce",
+    "batch_norm_forward",
+    "batch_norm_moments",
+]
+
+Array = np.ndarray
+
+
+def _f64(a: Optional[Array], n_channels: int, fill: float) -> Array:
+    return np.full(n_channels, fill) if a is None else a.astype(np.float64)
+
+
+def _moments(x: Array, n_channels: int, count: int) -> tuple[Array, Array]:
+    """Per-channel mean and biased variance of a canonical kernel array, float64.
+
+    Two passes over the data: the mean, then sum x*(x - mean) corrected by
+    mean*(sum x - count*mean), which equals sum (x - mean)**2 without E[x^2]-E[x]^2's
+    cancellation.
+    """
+    sum_x, _ = kernels.reduce(x, x, np.zeros(n_channels))
+    mean = sum_x / count
+    _, sum_x_xmu = kernels.reduce(x, x, mean)
+    m2 = sum_x_xmu - mean * (sum_x - count * mean)
+    return mean, np.maximum(m2, 0.0) / count
+
+
+def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Array, int]:
+    input = check.data_array("input", input)
+    grad_out = check.data_array("grad_out", grad_out)
+    check.same_shape_and_dtype(grad_out, input)
+    return grad_out, input, check.channel_axis(channel_axis, input.ndim)
+
+
+def _as_param_dtype(values: Optional[Array], dtype: np.dtype) -> Optional[Array]:
+    return None if values is None else values.astype(dtype)
+
+
+def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Optional[int] = None
+                       ) -> Tuple[Array, Array]:
+    """Per-channel mean and biased variance, in float64.
+
+    Parameters
+    ----------
+    input : ndarray, ndim >= 2, float64/float32/float16/bfloat16, any strides
+    channel_axis : int
+        Axis holding the channels (1 as in PyTorch; -1 for channels-last shaped arrays).
+    num_threads : int, optional
+        Threads to use (default: all). Results are identical for every thread count.
+
+    Returns
+    -------
+    mean, var : ndarray of shape (C,), float64
+        Zeros for channels with no elements.
+    """
+    input = check.data_array("input", input)
+    axis = check.channel_axis(channel_axis, input.ndim)
+    threads = check.num_threads(num_threads)
+    n_channels = input.shape[axis]
+    count = input.size // n_channels if n_channels else 0
+    if count == 0:
+        return np.zeros(n_channels), np.zeros(n_channels)
+    with parallel_region(threads):
+        return _moments(plan(input, None, axis).x, n_channels, count)
+
+
+def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running_mean: Any = None,
+                       running_var: Any = None, train: bool = True, momentum: float = 0.1,
+                       eps: float = 1e-5, *, channel_axis: int = 1,
+                       num_threads: Optional[int] = None) -> Tuple[Array, Array, Array]:
+    """Batch-norm forward, as ``torch.ops.aten.native_batch_norm``.
+
+    Parameters
+    ----------
+    input : ndarray, ndim >= 2, float64/float32/float16/bfloat16, any strides
+    weight, bias : ndarray (C,), optional
+        Affine parameters (None: 1 and 0). Input's dtype, or float32 for half inputs.
+    running_mean, running_var : ndarray (C,), optional
+        Updated in place in train mode: ``r = (1 - momentum)*r + momentum*stat``, with the
+        unbiased variance. Required in eval mode, where they normalise the input.
+    train : bool
+        Normalise with the batch statistics (True) or the running ones (False).
+    momentum, eps : float
+    channel_axis : int
+        Axis holding the channels (default 1).
+    num_threads : int, optional
+        Threads to use (default: all). Results are identical for every thread count.
+
+    Returns
+    -------
+    output : ndarray
+        Input's shape and dtype, in input's axis order when input is dense in some order.
+    save_mean, save_invstd : ndarray (C,)
+        Batch mean and 1/sqrt(var + eps) in train mode (float32 for float16/bfloat16 inputs,
+        else input's dtype); empty arrays in eval mode, as in PyTorch.
+    """
+    input = check.data_array("input", input)
+    axis = check.channel_axis(channel_axis, input.ndim)
+    train = check.boolean("train", train)
+    eps = check.eps(eps)
+    momentum = check.momentum(momentum)
+    threads = check.num_threads(num_threads)
+    n_channels = input.shape[axis]
+    weight = check.param_vector("weight", weight, n_channels, input.dtype)
+    bias = check.param_vector("bias", bias, n_channels, input.dtype)
+    running_mean = check.param_vector("running_mean", running_mean, n_channels, input.dtype)
+    running_var = check.param_vector("running_var", running_var, n_channels, input.dtype)
+    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
+        if value is not None and train and not value.flags.writeable:
+            raise ArgumentValueError(f"{name}: expected a writable array (it is updated in place "
+                                     "in train mode), got a read-only array")
+    if not train and (running_mean is None or running_var is None):
+        raise ArgumentValueError(
+            "running_mean, running_var: expected both in eval mode (train=False), got "
+            f"running_mean={'None' if running_mean is None else 'an array'}, "
+            f"running_var={'None' if running_var is None else 'an array'}; "
+            "pass the running statistics or use train=True")
+    stat_dtype = check.FLOAT32 if check.is_half(input.dtype) else input.dtype
+    count = input.size // n_channels if n_channels else 0
+
+    with parallel_region(threads):
+        layout = plan(input, None, axis)
+        if train:
+            if count == 0:
+                mean, var = np.full(n_channels, np.nan), np.full(n_channels, np.nan)
+            else:
+                mean, var = _moments(layout.x, n_channels, count)
+            invstd = 1.0 / np.sqrt(var + eps)
+            if running_mean is not None and count > 0:
+                running_mean[...] = (1 - momentum) * running_mean + momentum * mean
+            if running_var is not None and count > 0:
+                unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.inf)
+                running_var[...] = (1 - momentum) * running_var + momentum * unbiased
+        else:
+            mean = running_mean.astype(np.float64)
+            invstd = 1.0 / np.sqrt(running_var.astype(np.float64) + eps)
+        scale = invstd * _f64(weight, n_channels, 1.0)
+        coef = np.stack([scale, scale, _f64(bias, n_channels, 0.0), mean]).astype(
+            kernels.compute_dtype(input.dtype))
+        out_kernel, output = layout.empty_output(input.shape, input.dtype)
+        if input.size:
+            kernels.normalize(layout.x, out_kernel, coef)
+
+    if train:
+        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype)
+    return output, np.empty(0, dtype=stat_dtype), np.empty(0, dtype=stat_dtype)
+
+
+def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_mean: Any = None,
+                        running_var: Any = None, save_mean: Any = None, save_invstd: Any = None,
+                        train: bool = True, eps: float = 1e-5,
+                        output_mask: Sequence[bool] = (True, True, True), *,
+                        channel_axis: int = 1, num_threads: Optional[int] = None
+                        ) -> Tuple[Optional[Array], Optional[Array], Optional[Array]]:
+    """Gradients of batch norm, as ``torch.ops.aten.native_batch_norm_backward``.
+
+    Parameters
+    ----------
+    grad_out, input : ndarray, same shape and dtype, ndim >= 2, any strides
+        float64, float32, float16 or bfloat16 (ml_dtypes).
+    weight : ndarray (C,), optional
+        Scale (gamma); None means 1.
+    running_mean, running_var : ndarray (C,), optional
+        Used in eval mode (``train=False``), where they are required.
+    save_mean, save_invstd : ndarray (C,), optional
+        Batch statistics from the forward pass, used in train mode. If either is None they
+        are computed from input (biased variance, eps), where PyTorch would fail.
+    train : bool
+    eps : float
+        Used with running_var in eval mode, and when the statistics are computed here.
+    output_mask : three bools
+        Which of (grad_input, grad_weight, grad_bias) to compute; the others come back None.
+    channel_axis : int
+        Axis holding the channels (default 1).
+    num_threads : int, optional
+        Threads to use (default: all). Results are identical for every thread count.
+
+    Returns
+    -------
+    grad_input : ndarray or None
+        Input's shape and dtype; input's axis order when input is dense in some order.
+    grad_weight, grad_bias : ndarray (C,) or None
+        The weight's dtype if a weight is given; else float32 for a float16/bfloat16 input
+        with float32 statistics (mixed precision); else input's dtype.
+    """
+    grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
+    train = check.boolean("train", train)
+    eps = check.eps(eps)
+    mask = check.output_mask(output_mask)
+    threads = check.num_threads(num_threads)
+    n_channels = input.shape[axis]
+    params = {name: check.param_vector(name, value, n_channels, input.dtype)
+              for name, value in (("weight", weight), ("running_mean", running_mean),
+                                  ("running_var", running_var), ("save_mean", save_mean),
+                                  ("save_invstd", save_invstd))}
+    if not train and (params["running_mean"] is None or params["running_var"] is None):
+        raise ArgumentValueError(
+            "running_mean, running_var: expected both in eval mode (train=False), got "
+            f"running_mean={'None' if params['running_mean'] is None else 'an array'}, "
+            f"running_var={'None' if params['running_var'] is None else 'an array'}; "
+            "pass the running statistics or use train=True")
+    out_dtype = check.param_dtype(input.dtype, params["weight"],
+                                  [params[n] for n in ("running_mean", "running_var",
+                                                       "save_mean", "save_invstd")])
+    count = input.size // n_channels if n_channels else 0
+    w = _f64(params["weight"], n_channels, 1.0)
+
+    with parallel_region(threads):
+        layout = plan(input, grad_out, axis)
+        if count == 0:
+            mean = invstd = np.zeros(n_channels)
+        elif not train:
+            mean = params["running_mean"].astype(np.float64)
+            invstd = 1.0 / np.sqrt(params["running_var"].astype(np.float64) + eps)
+        elif params["save_mean"] is None or params["save_invstd"] is None:
+            mean, var = _moments(layout.x, n_channels, count)
+            invstd = 1.0 / np.sqrt(var + eps)
+        else:
+            mean = params["save_mean"].astype(np.float64)
+            invstd = params["save_invstd"].astype(np.float64)
+
+        grad_input = None
+        if mask[0]:
+            grad_kernel, grad_input = layout.empty_output(input.shape, input.dtype)
+        sums = None
+        if count == 0:
+            sums = (np.zeros(n_channels), np.zeros(n_channels))
+        elif mask[0] and train:
+            sums = kernels.backward_train(layout.x, layout.dy, grad_kernel, mean, invstd, w,
+                                          count, kernels.compute_dtype(input.dtype))
+        else:
+            if mask[1] or mask[2]:
+                sums = kernels.reduce(layout.x, layout.dy, mean)
+            if mask[0]:
+                coef = np.zeros((4, n_channels), dtype=kernels.compute_dtype(input.dtype))
+                coef[0] = invstd * w
+                kernels.elemt(layout.dy, layout.dy, grad_kernel, coef, False)
+
+    grad_weight = sums[1] * invstd if mask[1] else None
+    grad_bias = sums[0] if mask[2] else None
+    return grad_input, _as_param_dtype(grad_weight, out_dtype), _as_param_dtype(grad_bias, out_dtype)
+
+
+def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any,
+                               weight: Any = None, input_g: bool = True, weight_g: bool = True,
+                               bias_g: bool = True, *, channel_axis: int = 1,
+                               num_threads: Optional[int] = None
+                               ) -> Tuple[Optional[Array], Optional[Array], Optional[Array],
+                                          Optional[Array]]:
+    """First half of the backward: the per-channel sums (as ``torch.batch_norm_backward_reduce``).
+
+    Synchronized batch norm all-reduces ``sum_dy`` and ``sum_dy_xmu`` across processes, then
+    calls :func:`batch_norm_backward_elemt` with the global count.
+
+    Parameters
+    ----------
+    grad_out, input : ndarray, same shape and dtype, ndim >= 2, any strides
+    mean, invstd : ndarray (C,)
+        The statistics the forward pass normalised with.
+    weight : ndarray (C,), optional
+        Only its dtype matters here (it sets grad_weight/grad_bias's dtype).
+    input_g, weight_g, bias_g : bool
+        Whether to return (sum_dy, sum_dy_xmu), grad_weight and grad_bias.
+    channel_axis, num_threads : as in :func:`batch_norm_backward`
+
+    Returns
+    -------
+    sum_dy, sum_dy_xmu : ndarray (C,) or None
+        In the dtype of ``mean``.
+    grad_weight, grad_bias : ndarray (C,) or None
+        ``sum_dy_xmu * invstd`` and ``sum_dy``, dtype as in :func:`batch_norm_backward`.
+    """
+    grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
+    n_channels = input.shape[axis]
+    mean = check.param_vector("mean", mean, n_channels, input.dtype)
+    invstd = check.param_vector("invstd", invstd, n_channels, input.dtype)
+    if mean is None or invstd is None:
+        raise ArgumentValueError("mean, invstd: expected arrays of shape "
+                                 f"({n_channels},), got None")
+    weight = check.param_vector("weight", weight, n_channels, input.dtype)
+    flags = [check.boolean(name, value) for name, value in
+             (("input_g", input_g), ("weight_g", weight_g), ("bias_g", bias_g))]
+    threads = check.num_threads(num_threads)
+    out_dtype = check.param_dtype(input.dtype, weight, [mean, invstd])
+    with parallel_region(threads):
+        if input.size == 0:
+            sum_dy, sum_dy_xmu = np.zeros(n_channels), np.zeros(n_channels)
+        else:
+            layout = plan(input, grad_out, axis)
+            sum_dy, sum_dy_xmu = kernels.reduce(layout.x, layout.dy, mean.astype(np.float64))
+    grad_weight = sum_dy_xmu * invstd.astype(np.float64)
+    return (sum_dy.astype(mean.dtype) if flags[0] else None,
+            sum_dy_xmu.astype(mean.dtype) if flags[0] else None,
+            grad_weight.astype(out_dtype) if flags[1] else None,
+            sum_dy.astype(out_dtype) if flags[2] else None)
+
+
+def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any, weight: Any,
+                              sum_dy: Any, sum_dy_xmu: Any, count: Any, *, channel_axis: int = 1,
+                              num_threads: Optional[int] = None) -> Array:
+    """Second half of the backward: grad_input from the (possibly all-reduced) sums.
+
+    ``dx = (dy - sum_dy/count - (x - mean) * invstd**2 * sum_dy_xmu/count) * invstd * weight``
+
+    Parameters
+    ----------
+    grad_out, input : ndarray, same shape and dtype, ndim >= 2, any strides
+    mean, invstd : ndarray (C,)
+    weight : ndarray (C,) or None
+    sum_dy, sum_dy_xmu : ndarray (C,)
+        From :func:`batch_norm_backward_reduce`, summed over all participants.
+    count : int, float or array of ints
+        Elements per channel over all participants (an array of per-rank counts is summed).
+    channel_axis, num_threads : as in :func:`batch_norm_backward`
+
+    Returns
+    -------
+    grad_input : ndarray
+        Input's shape and dtype; input's axis order when input is dense in some order.
+    """
+    grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
+    n_channels = input.shape[axis]
+    vectors = {}
+    for name, value in (("mean", mean), ("invstd", invstd), ("sum_dy", sum_dy),
+                        ("sum_dy_xmu", sum_dy_xmu)):
+        vectors[name] = check.param_vector(name, value, n_channels, input.dtype)
+        if vectors[name] is None:
+            raise ArgumentValueError(f"{name}: expected an array of shape ({n_channels},), got None")
+    weight = check.param_vector("weight", weight, n_channels, input.dtype)
+    total = check.count(count)
+    threads = check.num_threads(num_threads)
+    f64 = {name: value.astype(np.float64) for name, value in vectors.items()}
+    with parallel_region(threads):
+        layout = plan(input, grad_out, axis)
+        grad_kernel, grad_input = layout.empty_output(input.shape, input.dtype)
+        if input.size:
+            coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
+                                              f64["invstd"], _f64(weight, n_channels, 1.0),
+                                              total, kernels.compute_dtype(input.dtype))
+            kernels.elemt(layout.x, layout.dy, grad_kernel, coef, True)
+    return grad_input

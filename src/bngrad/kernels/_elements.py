@@ -1,0 +1,116 @@
+"""Element access for every supported dtype, converted inside the kernels.
+
+Numba has no half-precision type on the CPU, but LLVM does. We therefore hand float16 data to
+the kernels as its int16 bits and bfloat16 data as its uint16 bits (see ``as_kernel_array``):
+the element type then selects the conversion at compile time.
+
+- float16: bitcast the bits to LLVM ``half`` and ``fpext``/``fptrunc`` (round-to-nearest-even),
+  which compile to the CPU's vector conversion instructions (F16C / AVX-512).
+- bfloat16: the top half of a float32; widening is a shift, narrowing rounds to nearest even
+  and keeps NaNs quiet.
+
+``to_float(v)`` gives the compute type: float64 for float64 data, float32 for everything else.
+``from_float(value, out)`` converts a computed value to ``out``'s element type.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic, overload
+
+from .._validate import BFLOAT16, FLOAT16
+
+# dtype of the arrays the kernels see, per user dtype
+_KERNEL_DTYPE = {FLOAT16: np.dtype(np.int16), BFLOAT16: np.dtype(np.uint16)}
+
+
+def as_kernel_array(array: np.ndarray) -> np.ndarray:
+    """A view of ``array`` in the element type the kernels take (no copy)."""
+    kernel_dtype = _KERNEL_DTYPE.get(array.dtype)
+    return array if kernel_dtype is None else array.view(kernel_dtype)
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """Precision of elementwise arithmetic: float64 for float64 data, float32 otherwise."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+@intrinsic
+def _half_bits_to_float32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+    return types.float32(types.int16), codegen
+
+
+@intrinsic
+def _float32_to_half_bits(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+    return types.int16(types.float32), codegen
+
+
+@intrinsic
+def _uint32_as_float32(typingctx, bits):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _float32_as_uint32(typingctx, value):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+    return types.uint32(types.float32), codegen
+
+
+@njit(inline="always")
+def _bf16_bits_to_float32(bits):
+    return _uint32_as_float32(np.uint32(bits) << np.uint32(16))
+
+
+@njit(inline="always")
+def _float32_to_bf16_bits(value):
+    bits = _float32_as_uint32(value)
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep it a quiet NaN
+        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
+    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
+    return np.uint16((bits + rounding) >> np.uint32(16))
+
+
+def to_float(value):
+    """Element -> compute type (float64 for float64, float32 otherwise). Jitted use only."""
+    raise NotImplementedError
+
+
+def from_float(value, out):
+    """Computed value -> the element type of array ``out``. Jitted use only."""
+    raise NotImplementedError
+
+
+@overload(to_float, inline="always")
+def _to_float(value):
+    if value == types.float64:
+        return lambda value: value
+    if value == types.float32:
+        return lambda value: value
+    if value == types.int16:
+        return lambda value: _half_bits_to_float32(value)
+    if value == types.uint16:
+        return lambda value: _bf16_bits_to_float32(value)
+    return None
+
+
+@overload(from_float, inline="always")
+def _from_float(value, out):
+    element = out.dtype
+    if element == types.float64:
+        return lambda value, out: np.float64(value)
+    if element == types.float32:
+        return lambda value, out: np.float32(value)
+    if element == types.int16:
+        return lambda value, out: _float32_to_half_bits(np.float32(value))
+    if element == types.uint16:
+        return lambda value, out: _float32_to_bf16_bits(np.float32(value))
+    return None

@@ -1,0 +1,275 @@
+"""Numba kernels: pure functions over validated, canonical arrays; outputs are passed in.
+
+Two canonical layouts (see bngrad._layout):
+- channels-first ``(A, C, B)``, C-contiguous: channel c of row a is the run ``x[a, c, :]``;
+- channels-last ``(M, C)``, C-contiguous: every row holds one element of each channel.
+
+Determinism: every reduction is cut into tiles whose bounds depend on the data's shape only
+(never on the thread count), each tile is summed in a fixed order, and the tile sums are added
+in a fixed order. The fused and the two-phase channels-first paths use the same tiles and the
+same order, so they give the same bits, whichever the planner picks.
+
+Sums are float64 for every dtype. Elementwise arithmetic runs in ``coef``'s dtype: float64 for
+float64 data, float32 otherwise. Coefficient rows: ``coef[0] = a``, ``coef[1] = b``,
+``coef[2] = d``, ``coef[3] = mean``; training ``dx = a*dy - b*(x - mean) - d``; eval ``dx = a*dy``;
+forward ``y = (x - mean)*a + d``. Keeping ``x - mean`` explicit avoids the cancellation of
+``a*dy + b*x + c`` when |mean| >> std.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from ._elements import from_float, to_float
+
+_JIT = dict(cache=True, nogil=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# scalar helpers
+
+@njit(**_JIT)
+def _run_sums(xr, dr, m, b0, b1):
+    """(sum dy, sum dy*(x - m)) over xr[b0:b1], dr[b0:b1] in float64, four fixed lanes."""
+    s0 = s1 = s2 = s3 = 0.0
+    t0 = t1 = t2 = t3 = 0.0
+    b = b0
+    while b + 4 <= b1:
+        d0 = np.float64(to_float(dr[b]))
+        d1 = np.float64(to_float(dr[b + 1]))
+        d2 = np.float64(to_float(dr[b + 2]))
+        d3 = np.float64(to_float(dr[b + 3]))
+        s0 += d0
+        s1 += d1
+        s2 += d2
+        s3 += d3
+        t0 += d0 * (np.float64(to_float(xr[b])) - m)
+        t1 += d1 * (np.float64(to_float(xr[b + 1])) - m)
+        t2 += d2 * (np.float64(to_float(xr[b + 2])) - m)
+        t3 += d3 * (np.float64(to_float(xr[b + 3])) - m)
+        b += 4
+    while b < b1:
+        d0 = np.float64(to_float(dr[b]))
+        s0 += d0
+        t0 += d0 * (np.float64(to_float(xr[b])) - m)
+        b += 1
+    return (s0 + s1) + (s2 + s3), (t0 + t1) + (t2 + t3)
+
+
+@njit(**_JIT)
+def _tile_sums(x, dy, m, c, a0, a1, b0, b1):
+    sd = 0.0
+    sx = 0.0
+    for a in range(a0, a1):
+        p, q = _run_sums(x[a, c], dy[a, c], m, b0, b1)
+        sd += p
+        sx += q
+    return sd, sx
+
+
+@njit(**_JIT)
+def _train_coefficients(sum_dy, sum_dy_xmu, invstd, weight, count):
+    """(a, b, d) of dx = a*dy - b*(x - mean) - d, in float64."""
+    a = invstd * weight
+    b = sum_dy_xmu / count * invstd * invstd * a
+    d = sum_dy / count * a
+    return a, b, d
+
+
+@njit(**_JIT)
+def _apply_run(xr, dr, outr, a, b, d, m, b0, b1):
+    for i in range(b0, b1):
+        outr[i] = from_float(a * to_float(dr[i]) - b * (to_float(xr[i]) - m) - d, outr)
+
+
+@njit(**_JIT)
+def _scale_run(dr, outr, a, b0, b1):
+    for i in range(b0, b1):
+        outr[i] = from_float(a * to_float(dr[i]), outr)
+
+
+@njit(**_JIT)
+def _normalize_run(xr, outr, a, d, m, b0, b1):
+    for i in range(b0, b1):
+        outr[i] = from_float((to_float(xr[i]) - m) * a + d, outr)
+
+
+# ---------------------------------------------------------------------------------------------
+# coefficients (shared by every path, so that all paths round identically)
+
+@njit(**_JIT)
+def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef):
+    for c in range(coef.shape[1]):
+        a, b, d = _train_coefficients(sum_dy[c], sum_dy_xmu[c], invstd[c], weight[c], count)
+        coef[0, c] = a
+        coef[1, c] = b
+        coef[2, c] = d
+        coef[3, c] = mean[c]
+
+
+# ---------------------------------------------------------------------------------------------
+# channels-first (A, C, B)
+
+@njit(parallel=True, **_JIT)
+def reduce_channels_first(x, dy, mean, rows, seg, partial):
+    """partial[j, s, c] = (sum dy, sum dy*(x-mean)) over tile (rows block j, segment s, channel c)."""
+    A, C, B = x.shape
+    n_blocks, n_segs = partial.shape[0], partial.shape[1]
+    for item in prange(n_blocks * n_segs * C):
+        c = item % C
+        t = item // C
+        s = t % n_segs
+        j = t // n_segs
+        p, q = _tile_sums(x, dy, mean[c], c, j * rows, min(A, j * rows + rows),
+                          s * seg, min(B, s * seg + seg))
+        partial[j, s, c, 0] = p
+        partial[j, s, c, 1] = q
+
+
+@njit(**_JIT)
+def combine_channels_first(partial, sum_dy, sum_dy_xmu):
+    n_blocks, n_segs, C = partial.shape[0], partial.shape[1], partial.shape[2]
+    for c in range(C):
+        sd = 0.0
+        sx = 0.0
+        for j in range(n_blocks):
+            for s in range(n_segs):
+                sd += partial[j, s, c, 0]
+                sx += partial[j, s, c, 1]
+        sum_dy[c] = sd
+        sum_dy_xmu[c] = sx
+
+
+@njit(parallel=True, **_JIT)
+def backward_channels_first_fused(x, dy, out, mean, invstd, weight, count, rows, seg,
+                                  sum_dy, sum_dy_xmu, coef):
+    """Training backward, one channel per task: reduce it, then apply while it is in cache.
+
+    Same tiles and order as reduce_channels_first + combine_channels_first.
+    """
+    A, C, B = x.shape
+    n_blocks = (A + rows - 1) // rows
+    n_segs = (B + seg - 1) // seg
+    for c in prange(C):
+        m = mean[c]
+        sd = 0.0
+        sx = 0.0
+        for j in range(n_blocks):
+            for s in range(n_segs):
+                p, q = _tile_sums(x, dy, m, c, j * rows, min(A, j * rows + rows),
+                                  s * seg, min(B, s * seg + seg))
+                sd += p
+                sx += q
+        sum_dy[c] = sd
+        sum_dy_xmu[c] = sx
+        a, b, d = _train_coefficients(sd, sx, invstd[c], weight[c], count)
+        coef[0, c] = a
+        coef[1, c] = b
+        coef[2, c] = d
+        coef[3, c] = m
+        for r in range(A):
+            _apply_run(x[r, c], dy[r, c], out[r, c], coef[0, c], coef[1, c], coef[2, c],
+                       coef[3, c], 0, B)
+
+
+@njit(parallel=True, **_JIT)
+def elemt_channels_first(x, dy, out, coef, seg, train):
+    A, C, B = dy.shape
+    n_segs = (B + seg - 1) // seg
+    for item in prange(A * C * n_segs):
+        s = item % n_segs
+        r = item // n_segs
+        c = r % C
+        a = r // C
+        b0 = s * seg
+        b1 = min(B, b0 + seg)
+        if train:
+            _apply_run(x[a, c], dy[a, c], out[a, c], coef[0, c], coef[1, c], coef[2, c],
+                       coef[3, c], b0, b1)
+        else:
+            _scale_run(dy[a, c], out[a, c], coef[0, c], b0, b1)
+
+
+@njit(parallel=True, **_JIT)
+def normalize_channels_first(x, out, coef, seg):
+    A, C, B = x.shape
+    n_segs = (B + seg - 1) // seg
+    for item in prange(A * C * n_segs):
+        s = item % n_segs
+        r = item // n_segs
+        c = r % C
+        a = r // C
+        b0 = s * seg
+        _normalize_run(x[a, c], out[a, c], coef[0, c], coef[2, c], coef[3, c], b0,
+                       min(B, b0 + seg))
+
+
+# ---------------------------------------------------------------------------------------------
+# channels-last (M, C)
+
+@njit(parallel=True, **_JIT)
+def reduce_channels_last(x, dy, mean, rows, cols, partial):
+    """partial[j, 0/1, c] = (sum dy, sum dy*(x-mean)) over rows block j, for column group of c."""
+    M, C = x.shape
+    n_blocks = partial.shape[0]
+    n_groups = (C + cols - 1) // cols
+    for item in prange(n_blocks * n_groups):
+        g = item % n_groups
+        j = item // n_groups
+        c0 = g * cols
+        c1 = min(C, c0 + cols)
+        psd = partial[j, 0]
+        psx = partial[j, 1]
+        for c in range(c0, c1):
+            psd[c] = 0.0
+            psx[c] = 0.0
+        for r in range(j * rows, min(M, j * rows + rows)):
+            xr = x[r]
+            dr = dy[r]
+            for c in range(c0, c1):
+                d = np.float64(to_float(dr[c]))
+                psd[c] += d
+                psx[c] += d * (np.float64(to_float(xr[c])) - mean[c])
+
+
+@njit(**_JIT)
+def combine_channels_last(partial, sum_dy, sum_dy_xmu):
+    n_blocks, C = partial.shape[0], partial.shape[2]
+    for c in range(C):
+        sum_dy[c] = 0.0
+        sum_dy_xmu[c] = 0.0
+    for j in range(n_blocks):  # fixed order: block 0, 1, 2, ...
+        for c in range(C):
+            sum_dy[c] += partial[j, 0, c]
+            sum_dy_xmu[c] += partial[j, 1, c]
+
+
+@njit(parallel=True, **_JIT)
+def elemt_channels_last(x, dy, out, coef, rows, train):
+    M, C = dy.shape
+    a, b, d, m = coef[0], coef[1], coef[2], coef[3]
+    for j in prange((M + rows - 1) // rows):
+        for r in range(j * rows, min(M, j * rows + rows)):
+            dr = dy[r]
+            outr = out[r]
+            if train:
+                xr = x[r]
+                for c in range(C):
+                    outr[c] = from_float(a[c] * to_float(dr[c]) - b[c] * (to_float(xr[c]) - m[c])
+                                         - d[c], outr)
+            else:
+                for c in range(C):
+                    outr[c] = from_float(a[c] * to_float(dr[c]), outr)
+
+
+@njit(parallel=True, **_JIT)
+def normalize_channels_last(x, out, coef, rows):
+    M, C = x.shape
+    a, d, m = coef[0], coef[2], coef[3]
+    for j in prange((M + rows - 1) // rows):
+        for r in range(j * rows, min(M, j * rows + rows)):
+            xr = x[r]
+            outr = out[r]
+            for c in range(C):
+                outr[c] = from_float((to_float(xr[c]) - m[c]) * a[c] + d[c], outr)
