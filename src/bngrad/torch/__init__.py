@@ -1,17 +1,34 @@
 """bngrad for PyTorch: batch norm whose forward and backward run on bngrad's kernels.
 
-Requires the optional dependency: ``pip install bngrad[torch]``.
+- :func:`batch_norm`: :func:`torch.nn.functional.batch_norm`, differentiable to any order;
+- :class:`BatchNorm1d`, :class:`BatchNorm2d`, :class:`BatchNorm3d`: drop-in modules;
+- :func:`convert` / :func:`revert`: swap the batch norms of a model either way;
+- ``torch.ops.bngrad.*``: the custom operators (:mod:`bngrad.torch.ops`), traceable by
+  ``torch.compile`` and ``torch.export``.
+
+CPU tensors only; tensors on other devices are handed to PyTorch's own batch norm with a
+one-time warning. Requires the optional dependency: ``pip install bngrad[torch]``.
 """
 
 from __future__ import annotations
 
 try:
     import torch  # noqa: F401
-except ImportError as exc:  # pragma: no cover - exercised in a subprocess by the tests
+except ImportError as exc:
     raise ImportError(
         "bngrad.torch needs PyTorch, which is not installed. "
         "Install it with: pip install bngrad[torch]") from exc
 
-from . import _convert  # noqa: E402,F401
+from . import ops  # noqa: E402  (registers torch.ops.bngrad.*)
+from .functional import batch_norm  # noqa: E402
+from .modules import BatchNorm1d, BatchNorm2d, BatchNorm3d, convert, revert  # noqa: E402
 
-__all__: list[str] = []
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_norm", "convert", "ops", "revert"]
+
+try:  # synchronized batch norm lives in its own module (torch.distributed)
+    from .sync import SyncBatchNorm  # noqa: E402,F401
+except ImportError as _exc:  # pragma: no cover - only while sync.py does not exist yet
+    if getattr(_exc, "name", None) != f"{__name__}.sync":
+        raise
+else:
+    __all__.append("SyncBatchNorm")

@@ -1,0 +1,94 @@
+"""``bngrad.torch.batch_norm``: ``torch.nn.functional.batch_norm`` computed by bngrad."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import ops  # noqa: F401  (registers torch.ops.bngrad.*)
+from ._convert import is_supported_device
+
+__all__ = ["batch_norm"]
+
+_warned_fallback = False
+
+
+def _fallback_warning(device: torch.device) -> None:
+    global _warned_fallback
+    if not _warned_fallback:
+        _warned_fallback = True
+        warnings.warn(
+            f"bngrad computes on CPU tensors only; batch norm on a {device.type} tensor runs on "
+            "PyTorch's own implementation instead (this warning is shown once)",
+            RuntimeWarning, stacklevel=3)
+
+
+def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optional[Tensor],
+               weight: Optional[Tensor] = None, bias: Optional[Tensor] = None,
+               training: bool = False, momentum: float = 0.1, eps: float = 1e-5) -> Tensor:
+    """Batch normalization, as :func:`torch.nn.functional.batch_norm`, on bngrad's kernels.
+
+    Same signature and results as PyTorch's; differentiable to any order (gradients come from
+    :func:`bngrad.batch_norm_backward`). Runs on CPU tensors of float64, float32, float16 and
+    bfloat16 without copying them to or from NumPy; float16/bfloat16 inputs may have float32
+    weight, bias and running statistics (mixed precision). Output keeps the input's memory
+    format (channels_last stays channels_last).
+
+    Parameters
+    ----------
+    input : Tensor (N, C, ...)
+    running_mean, running_var : Tensor (C,) or None
+        Updated in place when ``training`` (with the unbiased batch variance); required when
+        not ``training``.
+    weight, bias : Tensor (C,), optional
+        Affine scale and shift.
+    training : bool
+        Normalise with the batch statistics (and update the running ones) or with the running
+        statistics.
+    momentum : float
+        Weight of the new batch statistics in the running average.
+    eps : float
+        Added to the variance for numerical stability.
+
+    Returns
+    -------
+    Tensor
+        Same shape, dtype and memory format as ``input``.
+
+    Notes
+    -----
+    Tensors on any other device than the CPU (CUDA, MPS, ...) are passed to
+    :func:`torch.nn.functional.batch_norm` instead, with a one-time ``RuntimeWarning``.
+    """
+    if not isinstance(input, Tensor):
+        raise TypeError(f"batch_norm(): argument 'input' must be Tensor, not "
+                        f"{type(input).__name__}")
+    if not is_supported_device(input):
+        _fallback_warning(input.device)
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                            eps)
+    if training:
+        _verify_batch_size(input.shape)
+    output, _, _, new_mean, new_var = torch.ops.bngrad.batch_norm_forward(
+        input, weight, bias, running_mean, running_var, bool(training), float(momentum),
+        float(eps))
+    if training:
+        with torch.no_grad():  # the running statistics are state, not part of the graph
+            if running_mean is not None:
+                running_mean.copy_(new_mean)
+            if running_var is not None:
+                running_var.copy_(new_var)
+    return output
+
+
+def _verify_batch_size(size: torch.Size) -> None:
+    # Same check and message as torch.nn.functional.batch_norm.
+    size_prods = size[0] * math.prod(size[2:]) if len(size) >= 2 else 0
+    if size_prods == 1:
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {size}")

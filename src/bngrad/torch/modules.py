@@ -1,0 +1,118 @@
+"""Drop-in ``BatchNorm1d/2d/3d`` computed by bngrad, and model conversion both ways.
+
+Each class subclasses PyTorch's module of the same name and only replaces ``forward``, so the
+constructor, parameters, buffers, ``state_dict`` keys (``num_batches_tracked`` included),
+input checks and their messages, ``repr`` and ``isinstance(m, torch.nn.BatchNorm2d)`` are
+PyTorch's own, and a checkpoint saved from either loads into the other.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Type
+
+import torch
+from torch import Tensor, nn
+
+from .functional import batch_norm
+
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "convert", "revert"]
+
+
+class _BngradBatchNorm:
+    """The forward of ``torch.nn.modules.batchnorm._BatchNorm``, calling bngrad's batch_norm."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        self._check_input_dim(input)
+        # Same bookkeeping as PyTorch's _BatchNorm.forward: momentum=None means a cumulative
+        # moving average, 1/num_batches_tracked.
+        exponential_average_factor = 0.0 if self.momentum is None else self.momentum
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:
+                exponential_average_factor = 1.0 / float(self.num_batches_tracked)
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        use_buffers = not self.training or self.track_running_stats
+        return batch_norm(
+            input,
+            self.running_mean if use_buffers else None,
+            self.running_var if use_buffers else None,
+            self.weight, self.bias, bn_training, exponential_average_factor, self.eps)
+
+
+class BatchNorm1d(_BngradBatchNorm, nn.BatchNorm1d):
+    """:class:`torch.nn.BatchNorm1d` computed by bngrad; same arguments, state and behaviour.
+
+    Parameters
+    ----------
+    num_features : int
+        C, from an input of shape (N, C) or (N, C, L).
+    eps : float
+        Added to the variance for numerical stability (default 1e-5).
+    momentum : float or None
+        Weight of each new batch in the running statistics (default 0.1); None for a
+        cumulative moving average.
+    affine : bool
+        Learnable weight and bias (default True).
+    track_running_stats : bool
+        Keep running statistics and use them in eval mode (default True).
+    device, dtype
+        Of the parameters and buffers.
+    """
+
+
+class BatchNorm2d(_BngradBatchNorm, nn.BatchNorm2d):
+    """:class:`torch.nn.BatchNorm2d` computed by bngrad (input (N, C, H, W)); arguments as
+    :class:`BatchNorm1d`."""
+
+
+class BatchNorm3d(_BngradBatchNorm, nn.BatchNorm3d):
+    """:class:`torch.nn.BatchNorm3d` computed by bngrad (input (N, C, D, H, W)); arguments as
+    :class:`BatchNorm1d`."""
+
+
+_TO_BNGRAD: Dict[Type[nn.Module], Type[nn.Module]] = {
+    nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d}
+_TO_TORCH: Dict[Type[nn.Module], Type[nn.Module]] = {v: k for k, v in _TO_BNGRAD.items()}
+
+
+def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]]) -> nn.Module:
+    new_type = table.get(type(module))
+    if new_type is not None:
+        new = new_type(module.num_features, module.eps, module.momentum, module.affine,
+                       module.track_running_stats)
+        # Keep the very same Parameter and buffer objects, so an optimizer built before the
+        # conversion still updates this model, and nothing is copied.
+        with torch.no_grad():
+            if module.affine:
+                new.weight = module.weight
+                new.bias = module.bias
+            new.running_mean = module.running_mean
+            new.running_var = module.running_var
+            new.num_batches_tracked = module.num_batches_tracked
+        new.train(module.training)
+        for hook_dict in ("_forward_pre_hooks", "_forward_hooks"):
+            getattr(new, hook_dict).update(getattr(module, hook_dict))
+        if hasattr(module, "qconfig"):
+            new.qconfig = module.qconfig
+        module = new
+    for name, child in module.named_children():
+        module.add_module(name, _swap(child, table))
+    return module
+
+
+def convert(module: nn.Module) -> nn.Module:
+    """Replace every ``torch.nn.BatchNorm1d/2d/3d`` in ``module`` with bngrad's.
+
+    Parameters and buffers are kept (the same tensor objects), as are the training flag and
+    forward hooks. Only exact instances of PyTorch's three classes are replaced: subclasses,
+    ``SyncBatchNorm`` and lazy modules are left alone. Works in place on the children and
+    returns the model (a new object only when ``module`` itself is a batch norm), like
+    :meth:`torch.nn.SyncBatchNorm.convert_sync_batchnorm`.
+    """
+    return _swap(module, _TO_BNGRAD)
+
+
+def revert(module: nn.Module) -> nn.Module:
+    """Replace every bngrad ``BatchNorm1d/2d/3d`` in ``module`` with PyTorch's (see
+    :func:`convert`)."""
+    return _swap(module, _TO_TORCH)
