@@ -106,11 +106,17 @@ def _to_float(value):
 def _from_float(value, out):
     element = out.dtype
     if element == types.float64:
-        return lambda value, out: np.float64(value)
-    if element == types.float32:
-        return lambda value, out: np.float32(value)
-    if element == types.int16:
-        return lambda value, out: _float32_to_half_bits(np.float32(value))
-    if element == types.uint16:
-        return lambda value, out: _float32_to_bf16_bits(np.float32(value))
-    return None
+        def impl(value, out):
+            return np.float64(value)
+    elif element == types.float32:
+        def impl(value, out):
+            return np.float32(value)
+    elif element == types.int16:
+        def impl(value, out):
+            return _float32_to_half_bits(np.float32(value))
+    elif element == types.uint16:
+        def impl(value, out):
+            return _float32_to_bf16_bits(np.float32(value))
+    else:
+        return None
+    return impl

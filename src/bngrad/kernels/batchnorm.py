@@ -29,32 +29,21 @@ _JIT = dict(cache=True, nogil=True)
 # ---------------------------------------------------------------------------------------------
 # scalar helpers
 
-@njit(**_JIT)
+# Reassociation lets LLVM vectorise this reduction (4x faster than a fixed-lane scalar loop).
+# The vector order is fixed in the compiled code and the runs are fixed by the data, so the
+# result still does not depend on the thread count.
+@njit(fastmath={"reassoc"}, **_JIT)
 def _run_sums(xr, dr, m, b0, b1):
-    """(sum dy, sum dy*(x - m)) over xr[b0:b1], dr[b0:b1] in float64, four fixed lanes."""
-    s0 = s1 = s2 = s3 = 0.0
-    t0 = t1 = t2 = t3 = 0.0
-    b = b0
-    while b + 4 <= b1:
-        d0 = np.float64(to_float(dr[b]))
-        d1 = np.float64(to_float(dr[b + 1]))
-        d2 = np.float64(to_float(dr[b + 2]))
-        d3 = np.float64(to_float(dr[b + 3]))
-        s0 += d0
-        s1 += d1
-        s2 += d2
-        s3 += d3
-        t0 += d0 * (np.float64(to_float(xr[b])) - m)
-        t1 += d1 * (np.float64(to_float(xr[b + 1])) - m)
-        t2 += d2 * (np.float64(to_float(xr[b + 2])) - m)
-        t3 += d3 * (np.float64(to_float(xr[b + 3])) - m)
-        b += 4
-    while b < b1:
-        d0 = np.float64(to_float(dr[b]))
-        s0 += d0
-        t0 += d0 * (np.float64(to_float(xr[b])) - m)
-        b += 1
-    return (s0 + s1) + (s2 + s3), (t0 + t1) + (t2 + t3)
+    """(sum dy, sum dy*(x - m)) over xr[b0:b1], dr[b0:b1], in float64."""
+    # Slicing first gives LLVM indices that start at 0 and are non-negative, so it vectorises.
+    xr, dr = xr[b0:b1], dr[b0:b1]
+    sum_dy = 0.0
+    sum_dy_xmu = 0.0
+    for i in range(dr.shape[0]):
+        d = np.float64(to_float(dr[i]))
+        sum_dy += d
+        sum_dy_xmu += d * (np.float64(to_float(xr[i])) - m)
+    return sum_dy, sum_dy_xmu
 
 
 @njit(**_JIT)
@@ -79,19 +68,22 @@ def _train_coefficients(sum_dy, sum_dy_xmu, invstd, weight, count):
 
 @njit(**_JIT)
 def _apply_run(xr, dr, outr, a, b, d, m, b0, b1):
-    for i in range(b0, b1):
+    xr, dr, outr = xr[b0:b1], dr[b0:b1], outr[b0:b1]
+    for i in range(outr.shape[0]):
         outr[i] = from_float(a * to_float(dr[i]) - b * (to_float(xr[i]) - m) - d, outr)
 
 
 @njit(**_JIT)
 def _scale_run(dr, outr, a, b0, b1):
-    for i in range(b0, b1):
+    dr, outr = dr[b0:b1], outr[b0:b1]
+    for i in range(outr.shape[0]):
         outr[i] = from_float(a * to_float(dr[i]), outr)
 
 
 @njit(**_JIT)
 def _normalize_run(xr, outr, a, d, m, b0, b1):
-    for i in range(b0, b1):
+    xr, outr = xr[b0:b1], outr[b0:b1]
+    for i in range(outr.shape[0]):
         outr[i] = from_float((to_float(xr[i]) - m) * a + d, outr)
 
 
