@@ -50,6 +50,27 @@ class Plan:
         user = memory.transpose(np.argsort(self.order))
         return as_kernel_array(memory).reshape(self.x.shape), user
 
+    def output(self, shape: tuple[int, ...], dtype: np.dtype, out: Optional[np.ndarray]
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """(kernel view, array the kernel's result ends up in) for an optional ``out``.
+
+        ``out`` is written directly when it is dense in the plan's order; otherwise the kernel
+        writes a new array and ``finish_output`` copies it into ``out``.
+        """
+        if out is not None:
+            memory = out.transpose(self.order)
+            if memory.flags.c_contiguous:
+                return as_kernel_array(memory).reshape(self.x.shape), out
+        return self.empty_output(shape, dtype)
+
+
+def finish_output(result: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
+    """``result`` itself, or ``out`` after copying ``result`` into it."""
+    if out is None or result is out:
+        return result
+    np.copyto(out, result)
+    return out
+
 
 def _canonical(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
     shape = memory_ordered.shape

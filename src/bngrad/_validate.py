@@ -180,3 +180,32 @@ def count(value: Any) -> float:
     if not total > 0 or math.isinf(total):
         raise ArgumentValueError(f"count: expected a positive finite total, got {total}")
     return total
+
+
+def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
+    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+            and a.strides == b.strides and a.shape == b.shape)
+
+
+def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]) -> Optional[np.ndarray]:
+    """The optional ``out`` buffer for grad_input/output: input's shape and dtype, writable.
+
+    It may be the very same array as input or grad_out (the result is computed element by
+    element after the reductions, so in-place is safe), but must not partially overlap them.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, np.ndarray):
+        raise ArgumentTypeError(f"out: expected a NumPy array or None, got {_describe(value)}")
+    if value.shape != input.shape or value.dtype != input.dtype:
+        raise ArgumentValueError(
+            f"out: expected shape {input.shape} and dtype {input.dtype} (those of input), got "
+            f"shape {value.shape} and dtype {value.dtype}")
+    if not value.flags.writeable:
+        raise ArgumentValueError("out: expected a writable array, got a read-only one")
+    for name, other in (("input", input), ("grad_out", grad_out)):
+        if other is not None and np.shares_memory(value, other) and not _same_view(value, other):
+            raise ArgumentValueError(
+                f"out: overlaps {name} without being the same array; pass {name} itself for an "
+                "in-place result, or a separate buffer")
+    return value

@@ -12,7 +12,7 @@ import numpy as np
 
 from . import _validate as check
 from . import kernels
-from ._layout import plan
+from ._layout import finish_output, plan
 from ._threads import parallel_region
 from .errors import ArgumentValueError
 
@@ -170,7 +170,8 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
                         running_var: Any = None, save_mean: Any = None, save_invstd: Any = None,
                         train: bool = True, eps: float = 1e-5,
                         output_mask: Sequence[bool] = (True, True, True), *,
-                        channel_axis: int = 1, num_threads: Optional[int] = None
+                        channel_axis: int = 1, num_threads: Optional[int] = None,
+                        out: Optional[Array] = None
                         ) -> Tuple[Optional[Array], Optional[Array], Optional[Array]]:
     """Gradients of batch norm, as ``torch.ops.aten.native_batch_norm_backward``.
 
@@ -194,11 +195,16 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         Axis holding the channels (default 1).
     num_threads : int, optional
         Threads to use (default: all). Results are identical for every thread count.
+    out : ndarray, optional
+        Buffer for grad_input (input's shape and dtype). It may be grad_out or input itself
+        (in place), but must not partially overlap them. Reusing a buffer also saves the
+        operating system's cost of handing out fresh pages for every call.
 
     Returns
     -------
     grad_input : ndarray or None
-        Input's shape and dtype; input's axis order when input is dense in some order.
+        ``out`` if given; else a new array of input's shape and dtype, in input's axis order
+        when input is dense in some order.
     grad_weight, grad_bias : ndarray (C,) or None
         The weight's dtype if a weight is given; else float32 for a float16/bfloat16 input
         with float32 statistics (mixed precision); else input's dtype.
@@ -208,6 +214,7 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
     eps = check.eps(eps)
     mask = check.output_mask(output_mask)
     threads = check.num_threads(num_threads)
+    out = check.out_array(out, input, grad_out) if mask[0] else None
     n_channels = input.shape[axis]
     params = {name: check.param_vector(name, value, n_channels, input.dtype)
               for name, value in (("weight", weight), ("running_mean", running_mean),
@@ -241,7 +248,7 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
 
         grad_input = None
         if mask[0]:
-            grad_kernel, grad_input = layout.empty_output(input.shape, input.dtype)
+            grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         sums = None
         if count == 0:
             sums = (np.zeros(n_channels), np.zeros(n_channels))
@@ -256,6 +263,8 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
                 coef[0] = invstd * w
                 kernels.elemt(layout.dy, layout.dy, grad_kernel, coef, False)
 
+    if mask[0]:
+        grad_input = finish_output(grad_input, out)
     grad_weight = sums[1] * invstd if mask[1] else None
     grad_bias = sums[0] if mask[2] else None
     return grad_input, _as_param_dtype(grad_weight, out_dtype), _as_param_dtype(grad_bias, out_dtype)
@@ -317,7 +326,8 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
 
 def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any, weight: Any,
                               sum_dy: Any, sum_dy_xmu: Any, count: Any, *, channel_axis: int = 1,
-                              num_threads: Optional[int] = None) -> Array:
+                              num_threads: Optional[int] = None, out: Optional[Array] = None
+                              ) -> Array:
     """Second half of the backward: grad_input from the (possibly all-reduced) sums.
 
     ``dx = (dy - sum_dy/count - (x - mean) * invstd**2 * sum_dy_xmu/count) * invstd * weight``
@@ -331,12 +341,13 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
         From :func:`batch_norm_backward_reduce`, summed over all participants.
     count : int, float or array of ints
         Elements per channel over all participants (an array of per-rank counts is summed).
-    channel_axis, num_threads : as in :func:`batch_norm_backward`
+    channel_axis, num_threads, out : as in :func:`batch_norm_backward`
 
     Returns
     -------
     grad_input : ndarray
-        Input's shape and dtype; input's axis order when input is dense in some order.
+        ``out`` if given; else input's shape and dtype, in input's axis order when input is
+        dense in some order.
     """
     grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     n_channels = input.shape[axis]
@@ -349,13 +360,14 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     weight = check.param_vector("weight", weight, n_channels, input.dtype)
     total = check.count(count)
     threads = check.num_threads(num_threads)
+    out = check.out_array(out, input, grad_out)
     f64 = {name: value.astype(np.float64) for name, value in vectors.items()}
     with parallel_region(threads):
         layout = plan(input, grad_out, axis)
-        grad_kernel, grad_input = layout.empty_output(input.shape, input.dtype)
+        grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         if input.size:
             coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
                                               f64["invstd"], _f64(weight, n_channels, 1.0),
                                               total, kernels.compute_dtype(input.dtype))
             kernels.elemt(layout.x, layout.dy, grad_kernel, coef, True)
-    return grad_input
+    return finish_output(grad_input, out)
