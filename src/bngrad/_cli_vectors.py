@@ -1,0 +1,49 @@
+"""`bngrad vectors`: write golden test vectors for the DSP BatchNormGrad (glue over bngrad.vectors)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import vectors
+from .errors import BngradError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, required=True, help="batch size m (rows)")
+    parser.add_argument("--channel", type=int, required=True, help="number of channels")
+    parser.add_argument("--dtype", choices=tuple(vectors.DTYPES), required=True,
+                        help="x, dy, dx: fp32 (fp_batch_norm_grad) or fp16 (hp_batch_norm_grad)")
+    parser.add_argument("--param-dtype", choices=tuple(vectors.DTYPES), default=None,
+                        help="mean, invar, scale, dbias, dscale (default: --dtype; fp16 data "
+                             "may use fp32)")
+    parser.add_argument("--eval", action="store_true",
+                        help="is_train = 0: mean/invar are running statistics")
+    parser.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    parser.add_argument("--dist", choices=vectors.DISTRIBUTIONS, default="normal",
+                        help="data distribution; 'exact' makes every statistic and expected "
+                             "output exact in the dtype (even batch only)")
+    parser.add_argument("--format", choices=vectors.FORMATS, default="bin",
+                        help="raw little-endian .bin files (default) or one .npz")
+    parser.add_argument("--out", required=True, metavar="DIR", help="output directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        manifest = vectors.write_vectors(
+            args.out, args.batch, args.channel, args.dtype, train=not args.eval,
+            seed=args.seed, dist=args.dist, param_dtype=args.param_dtype,
+            file_format=args.format)
+    except (BngradError, OSError) as e:
+        print(f"bngrad vectors: error: {e}", file=sys.stderr)
+        return 2
+    mode = "train" if manifest["is_train"] else "eval"
+    print(f"wrote {args.out}: {manifest['functions'][0]} {mode}, batch {manifest['batch']}, "
+          f"channel {manifest['channel']}, {manifest['distribution']} data, seed "
+          f"{manifest['seed']}")
+    for name, entry in manifest["arrays"].items():
+        shape = "x".join(map(str, entry["shape"]))
+        print(f"  {entry['role']:8s} {name:6s} {entry['dtype']:7s} {shape:>9s}  {entry['file']}")
+    for name, tol in manifest["tolerances"].items():
+        print(f"  default tolerance {name}: atol {tol['atol']:.3g}, rtol {tol['rtol']:.3g}")
+    return 0
