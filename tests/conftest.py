@@ -127,6 +127,7 @@ LAYOUT_PAIRS = [
     ("chlast/contig", "chlast", "contig"),
     ("contig/chlast", "contig", "chlast"),
     ("flipped/sliced", "flipped", "sliced"),
+    ("sliced/chlast", "sliced", "chlast"),
 ]
 
 
@@ -345,3 +346,42 @@ def torch_backward(case: Case):
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+# --------------------------------------------------------------------------- shared checks
+
+def check_backward(case: Case, result=None, *, num_threads=None) -> tuple:
+    """Run bngrad.batch_norm_backward on ``case`` (unless ``result`` is given) and hold it to
+    bngrad.reference: None where masked off, dtypes, shapes, grad_input's layout, values within
+    the tolerance table, and inputs left untouched. Returns the result."""
+    import bngrad
+    from bngrad import reference
+    from tolerances import assert_close, assert_dtype
+
+    arrays = [a for a in case.args() if isinstance(a, np.ndarray)]
+    before = [a.copy() for a in arrays]
+    if result is None:
+        result = bngrad.batch_norm_backward(*case.args(), **case.kwargs(),
+                                            num_threads=num_threads)
+    assert isinstance(result, tuple) and len(result) == 3, f"expected a 3-tuple, got {result!r}"
+    for a, b in zip(arrays, before):
+        assert np.array_equal(a, b,
+                              equal_nan=True), "an argument was modified"
+    expected = reference.batch_norm_backward(*case.args(), **case.kwargs())
+    scales = case.scales()
+    names = ("grad_input", "grad_weight", "grad_bias")
+    for name, got, ref, on in zip(names, result, expected, case.output_mask):
+        if not on:
+            assert got is None, f"{name}: masked off by output_mask, expected None, got {type(got)}"
+            continue
+        if name == "grad_input":
+            assert_dtype(got, case.input.dtype, name)
+            assert got.shape == case.input.shape, f"{name}: shape {got.shape}"
+            assert_output_layout(got, case.input)
+            scale = scales[name] if case.train else None
+        else:
+            assert_dtype(got, case.param_grad_dtype, name)
+            assert got.shape == (case.input.shape[case.channel_axis],), f"{name}: shape {got.shape}"
+            scale = scales[name]
+        assert_close(got, ref, got.dtype, name, scale=scale)
+    return result
