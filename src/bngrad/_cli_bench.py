@@ -1,0 +1,266 @@
+"""``bngrad bench``: argument parsing, progress bar, results table and plot over bngrad.bench.
+
+Glue only: what is measured and how lives in :mod:`bngrad.bench`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import List, Optional
+
+from .errors import ArgumentValueError
+
+_MIB = 1 << 20
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from .bench import LAYOUTS, SUITES
+
+    suites = "; ".join(f"{name}: {desc}" for name, (_, _, desc) in SUITES.items())
+    parser.add_argument("--suite", default="default", choices=list(SUITES),
+                        help=f"which cases to run (default: default). {suites}")
+    parser.add_argument("--dtype", action="append", metavar="NAMES",
+                        help="only cases of these dtypes, comma-separated: float64, float32, "
+                             "float16, bfloat16 (aliases fp32, bf16, ...)")
+    parser.add_argument("--layout", action="append", metavar="NAMES",
+                        help="only cases of these layouts, comma-separated: "
+                             + ", ".join(LAYOUTS) + " (aliases nchw, nhwc, ...)")
+    parser.add_argument("--threads", type=int, metavar="N",
+                        help="threads for every contender (default: all cores)")
+    parser.add_argument("--repeat", type=int, metavar="R",
+                        help="timed rounds per case; medians are reported (default: per suite)")
+    parser.add_argument("--json", metavar="FILE", help="write the raw figures as JSON")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="write a PNG of speedup vs PyTorch and ratio to the floor")
+    parser.add_argument("--scaling", action="store_true",
+                        help="also time bngrad and the floor on one thread (speedup, and "
+                             "bitwise determinism across thread counts)")
+    parser.add_argument("--startup", action="store_true",
+                        help="also time the first call in fresh processes, cold (compiling) "
+                             "and with a warm kernel cache")
+    parser.add_argument("--reference-cap", type=int, default=1 << 22, metavar="ELEMENTS",
+                        help="time the NumPy reference only up to this many elements "
+                             "(default: %(default)s; 0: never)")
+    parser.add_argument("--no-memory", action="store_true",
+                        help="skip measuring peak extra memory")
+    parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from . import bench
+
+    console = Console()
+    if not console.is_terminal:  # a file or pipe: rich would wrap the table at 80 columns
+        console = Console(width=160)
+    try:
+        cases = bench.select_cases(args.suite, args.dtype, args.layout)
+        threads = bench.check_threads(args.threads if args.threads is not None
+                                      else bench.default_threads())
+        repeat = args.repeat if args.repeat is not None else bench.SUITES[args.suite][1]
+        if repeat < 1:
+            raise ArgumentValueError(f"--repeat must be at least 1, got {repeat}")
+        if args.reference_cap < 0:
+            raise ArgumentValueError(f"--reference-cap must be >= 0, got {args.reference_cap}")
+    except ArgumentValueError as exc:
+        console.print(f"[red]bngrad bench: {exc}[/red]")
+        return 2
+    if args.list:
+        for case in cases:
+            console.print(f"{case.label}  ({case.bytes_per_array / _MIB:.1f} MiB per array)")
+        return 0
+
+    opts = bench.Options(threads=threads, repeat=repeat, reference_cap=args.reference_cap,
+                         scaling=args.scaling, memory=not args.no_memory)
+    result = _run_with_progress(console, bench, args.suite, cases, opts)
+    if args.startup:
+        with console.status("Timing the first call in fresh processes (cold, then warm)..."):
+            result.startup = bench.measure_startup()
+
+    console.print(_table(result))
+    for line in _notes(result):
+        console.print(line)
+    if args.json:
+        result.write_json(args.json)
+        console.print(f"Raw figures written to {args.json}")
+    if args.plot:
+        write_plot(result, args.plot)
+        console.print(f"Plot written to {args.plot}")
+    return 0
+
+
+def _run_with_progress(console, bench, suite, cases, opts):
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeElapsedColumn)
+
+    columns = (TextColumn("[bold]bench[/bold]"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn(), TextColumn("{task.description}"))
+    with Progress(*columns, console=console, transient=True) as progress:
+        task = progress.add_task("starting", total=len(cases))
+
+        def on_progress(done: float, text: str) -> None:
+            progress.update(task, completed=done, description=text)
+        return bench.run_suite(suite, cases, opts, on_progress)
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+
+def _ms(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    ms = seconds * 1e3
+    return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
+
+
+def _x(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _geomean(values) -> Optional[float]:
+    values = [v for v in values if v is not None and v > 0]
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def _table(result):
+    from rich.table import Table
+
+    cases = result.cases
+    m = result.machine
+    scaling = any(c.scaling is not None for c in cases)
+    memory = any("bngrad" in c.extra_memory for c in cases)
+    table = Table(title=f"bngrad bench --suite {result.suite}: {m['cpu_model']}, "
+                        f"{m['cores']} cores, {result.options.threads} threads, {m['date']}",
+                  title_justify="left")
+    for name in ("shape", "dtype", "layout"):
+        table.add_column(name)
+    for name in ("bngrad ms", "PyTorch ms", "NumPy ms", "floor ms", "vs PyTorch", "/ floor",
+                 "GB/s"):
+        table.add_column(name, justify="right")
+    if scaling:
+        table.add_column(f"1->{result.options.threads} thr", justify="right")
+    if memory:
+        table.add_column("extra MiB", justify="right")
+    for c in cases:
+        speedup = c.speedup_vs_torch
+        style = "red" if speedup is not None and speedup < 1 else None
+        row = [c.case.shape_text, c.case.dtype, c.case.layout_name,
+               _ms(c.median("bngrad")), _ms(c.median("torch")), _ms(c.median("reference")),
+               _ms(c.median("floor")), _x(speedup), _x(c.ratio_to_floor),
+               "-" if c.gbps() is None else f"{c.gbps():.1f}"]
+        if scaling:
+            row.append(_x(c.scaling))
+        if memory:
+            extra = c.extra_memory.get("bngrad", {}).get("rss_extra")
+            row.append("-" if extra is None else f"{extra / _MIB:.2f}")
+        table.add_row(*row, style=style)
+    table.add_section()
+    row = ["geometric mean", "", "", "", "", "", "",
+           _x(_geomean(c.speedup_vs_torch for c in cases)),
+           _x(_geomean(c.ratio_to_floor for c in cases)),
+           _fmt(_geomean(c.gbps() for c in cases), "{:.1f}")]
+    if scaling:
+        row.append(_x(_geomean(c.scaling for c in cases)))
+    if memory:
+        row.append("")
+    table.add_row(*row, style="bold")
+    return table
+
+
+def _fmt(value, pattern):
+    return "-" if value is None else pattern.format(value)
+
+
+def _notes(result) -> List[str]:
+    cases, s = result.cases, result.summary()
+    notes = []
+    skipped = {}
+    for c in cases:
+        for name, why in c.skipped.items():
+            skipped.setdefault(name, why)
+    if "torch" in skipped:
+        notes.append(f"[yellow]PyTorch: {skipped['torch']}[/yellow]")
+    if "reference" in skipped:
+        notes.append(f"NumPy: {skipped['reference']}.")
+    notes.append("floor: one fused pass dx = a*dy + b*x over the same bytes and threads, "
+                 "allocating its output as bngrad does; / floor = bngrad time / floor time. "
+                 "GB/s: 3 arrays' traffic / bngrad time. Medians; spreads are in --json.")
+    alloc = [1 - c.median("floor_in_place") / c.median("floor") for c in cases
+             if c.median("floor_in_place") and c.median("floor")]
+    if alloc:
+        alloc.sort()
+        notes.append(f"Fresh output memory (page faults, zeroing) is a median "
+                     f"{100 * alloc[len(alloc) // 2]:.0f}% of the floor's time.")
+    if s["min_speedup_vs_torch"] is not None:
+        notes.append(f"Slowest vs PyTorch: {s['min_speedup_vs_torch']:.2f}x "
+                     f"({s['min_speedup_case']}).")
+    if s["median_ratio_to_floor_fp32_ge_64mib"] is not None:
+        notes.append(f"float32 NCHW/channels-last cases of >= 64 MiB per array: median "
+                     f"{s['median_ratio_to_floor_fp32_ge_64mib']:.2f}x the floor "
+                     f"({s['fp32_ge_64mib_cases']} cases).")
+    if s["geomean_gbps_by_dtype"]:
+        notes.append("GB/s by dtype (geometric mean): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in s["geomean_gbps_by_dtype"].items()))
+    if s["max_bngrad_extra_bytes"] is not None:
+        notes.append(f"Peak extra memory of a bngrad call beyond grad_input: at most "
+                     f"{s['max_bngrad_extra_bytes'] / _MIB:.2f} MiB.")
+    if s["max_rel_diff_vs_torch"] is not None:
+        notes.append(f"Largest |bngrad - PyTorch| / max|PyTorch| over grad_input: "
+                     f"{s['max_rel_diff_vs_torch']:.1e}.")
+    if s["deterministic_across_threads"] is not None:
+        notes.append("Bitwise identical on 1 and "
+                     f"{result.options.threads} threads: "
+                     f"{'yes, every case' if s['deterministic_across_threads'] else '[red]NO[/red]'}.")
+    if result.startup:
+        cold, warm = result.startup["cold"], result.startup["warm"]
+        first = result.startup["calls"][0]
+        notes.append(
+            f"First call in a fresh process ({first}): warm cache: import "
+            f"{warm['import_s']:.2f} s + call {warm['first_call_s'][first]:.2f} s; cold "
+            f"(compiling): import {cold['import_s']:.2f} s + call "
+            f"{cold['first_call_s'][first]:.2f} s. Other dtypes/layouts, cold: " + ", ".join(
+                f"{k} {v:.1f} s" for k, v in cold["first_call_s"].items() if k != first))
+    return notes
+
+
+def write_plot(result, path: str) -> None:
+    """Two panels per case: speedup vs PyTorch (higher is better), ratio to the floor (lower)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = result.cases
+    labels = [c.case.label for c in cases]
+    y = list(range(len(cases)))[::-1]
+    fig, (left, right) = plt.subplots(1, 2, sharey=True,
+                                      figsize=(12, 1.2 + 0.32 * len(cases)))
+    speedups = [c.speedup_vs_torch for c in cases]
+    if any(v is not None for v in speedups):
+        left.barh(y, [v or 0 for v in speedups],
+                  color=["tab:red" if v is not None and v < 1 else "tab:green"
+                         for v in speedups])
+        left.axvline(1.0, color="black", lw=1)
+    else:
+        left.text(0.5, 0.5, "PyTorch not installed", ha="center", va="center",
+                  transform=left.transAxes)
+    left.set_xlabel("speedup vs PyTorch (x, higher is better)")
+    ratios = [c.ratio_to_floor for c in cases]
+    right.barh(y, [v or 0 for v in ratios], color="tab:blue")
+    right.axvline(1.0, color="black", lw=1)
+    right.set_xlabel("bngrad time / floor time (lower is better, 1 = memory floor)")
+    left.set_yticks(y)
+    left.set_yticklabels(labels, fontsize=8)
+    m = result.machine
+    fig.suptitle(f"bngrad bench --suite {result.suite}: {m['cpu_model']}, "
+                 f"{result.options.threads} threads, {m['date'][:10]}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: bngrad bench")
