@@ -216,7 +216,7 @@ def _check_overlaps(data: dict[str, np.ndarray], channel: dict[str, np.ndarray])
 
 def _batch_norm_grad(x: Any, dy: Any, dx: Any, params: Any, half: bool,
                      num_threads: int) -> None:
-    """Validate everything, compute into temporaries, then write dx, dbias, dscale."""
+    """Validate everything, then compute: dx in place, dbias and dscale last."""
     if isinstance(params, BatchNormGradParams):
         params = params.as_params()
     if isinstance(params, np.ndarray) and params.ndim == 1:
@@ -246,31 +246,35 @@ def _batch_norm_grad(x: Any, dy: Any, dx: Any, params: Any, half: bool,
     # float16 -> float32 is exact, so the core sees the caller's values and returns float32
     # sums, rounded once into each output buffer's own dtype.
     mean, invar, scale = (per_channel[n].astype(FLOAT32) for n in ("mean", "invar", "scale"))
-    grad_input, dscale, dbias = _compute(data["x"], data["dy"], mean, invar, scale, train,
-                                         num_threads)
-    # Written last: an in-place dx (dx is dy or x) must not change the inputs while they are read.
-    np.copyto(data["dx"], grad_input, casting="same_kind")
+    dscale, dbias = _compute(data["x"], data["dy"], data["dx"], mean, invar, scale, train,
+                             num_threads)
     np.copyto(per_channel["dbias"], dbias, casting="same_kind")
     np.copyto(per_channel["dscale"], dscale, casting="same_kind")
 
 
-def _compute(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, invar: np.ndarray,
-             scale: np.ndarray, train: bool, num_threads: int
-             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(dx, dscale, dbias) from validated (batch, channel) data and float32 per-channel values."""
+def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
+             invar: np.ndarray, scale: np.ndarray, train: bool, num_threads: int
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Write dx; return (dscale, dbias). Validated (batch, channel) data, float32 per-channel.
+
+    dx may be x or dy itself: both paths take the sums before they write dx.
+    """
     if train:
         # Train mode is PyTorch's backward with the forward's saved statistics.
-        return api.batch_norm_backward(dy, x, weight=scale, save_mean=mean, save_invstd=invar,
-                                       train=True, num_threads=num_threads)
+        _, dscale, dbias = api.batch_norm_backward(
+            dy, x, weight=scale, save_mean=mean, save_invstd=invar, train=True,
+            num_threads=num_threads, out=dx)
+        return dscale, dbias
     # Eval: the core's eval mode takes running_var and derives invstd = 1/sqrt(var + eps); the
     # DSP passes invar itself, which no running_var reproduces exactly. So the sums come from
-    # the core's reduce step and dx = dy * invar * scale is one product, computed in float64
-    # (exact for the per-channel factor) and rounded once.
+    # the core's reduce step, and dx = dy * invar * scale is one float64 product (exact for the
+    # per-channel factor) rounded once into dx.
     _, _, dscale, dbias = api.batch_norm_backward_reduce(
         dy, x, mean, invar, weight=scale, input_g=False, weight_g=True, bias_g=True,
         num_threads=num_threads)
     factor = invar.astype(np.float64) * scale.astype(np.float64)
-    return (dy.astype(np.float64) * factor).astype(x.dtype), dscale, dbias
+    np.multiply(dy, factor, out=dx, dtype=np.float64, casting="same_kind")
+    return dscale, dbias
 
 
 # --------------------------------------------------------------------------- public API
