@@ -1,0 +1,203 @@
+"""`bngrad bench` and its library (bngrad.bench): the instrument, on tiny cases.
+
+Speed itself is not tested here (that is what the benchmark reports); these tests check that
+the instrument measures what it says: the floor kernel computes a*dy + b*x, the memory probe
+sees a temporary, filters select the right cases, and a run writes a table, JSON and a PNG,
+with and without PyTorch.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from bngrad import bench, cli
+from bngrad.errors import ArgumentValueError
+from tolerances import assert_close
+
+TINY = [
+    bench.Case((4, 3, 5, 6), "float32", "contiguous"),
+    bench.Case((4, 3, 5, 6), "bfloat16", "channels_last"),
+    bench.Case((33, 5), "float32", "contiguous"),
+    bench.Case((2, 4, 3, 5), "float32", "mixed"),
+    bench.Case((2, 4, 3, 5), "float16", "sliced"),
+]
+
+
+def _expected_floor(dy, x, a, b):
+    shape = [1] * x.ndim
+    shape[1] = -1
+    a64, b64 = a.astype(np.float64).reshape(shape), b.astype(np.float64).reshape(shape)
+    return a64 * dy.astype(np.float64) + b64 * x.astype(np.float64)
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "mixed_r"])
+@pytest.mark.parametrize("shape", [(3, 5, 7, 9), (70000, 3), (2, 3, 40000), (5, 2, 3, 4, 6)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_floor_computes_a_dy_plus_b_x(shape, layout, dtype):
+    """Every kernel path (runs per channel, tiled coefficients, several tiles) vs NumPy."""
+    data = bench.make_arrays(bench.Case(shape, dtype, layout), seed=3)
+    C = shape[1]
+    rng = np.random.default_rng(1)
+    a, b = rng.uniform(-2, 2, C), rng.uniform(-2, 2, C)
+    for threads in (1, 2):
+        got = bench.floor_pass(data.floor_dy, data.floor_x, a, b, num_threads=threads)
+        assert got.dtype == bench.DTYPES[dtype] and got.shape == shape
+        assert got.strides == data.floor_x.strides, "floor output must keep the input's layout"
+        ct = np.float64 if dtype == "float64" else np.float32
+        expected = _expected_floor(data.floor_dy, data.floor_x, a.astype(ct), b.astype(ct))
+        assert_close(got, expected, what=f"floor dx ({threads} threads)")
+
+
+def test_floor_in_place_matches_and_reuses_its_output():
+    data = bench.make_arrays(bench.Case((4, 6, 8, 8), "float32", "contiguous"))
+    a, b = np.full(6, 2.0), np.full(6, -1.0)
+    fresh = bench.make_floor(data.floor_dy, data.floor_x, a, b)
+    fixed = bench.make_floor(data.floor_dy, data.floor_x, a, b, in_place=True)
+    first, second = fixed(), fixed()
+    assert first is second
+    np.testing.assert_array_equal(fresh(), first)
+    assert fresh() is not fresh()
+
+
+def test_floor_rejects_arrays_of_different_layouts():
+    data = bench.make_arrays(bench.Case((2, 3, 4, 5), "float32", "mixed"))
+    with pytest.raises(ValueError, match="same strides|equal strides"):
+        bench.make_floor(data.grad_out, data.input, np.ones(3), np.ones(3))
+
+
+@pytest.mark.parametrize("layout", list(bench.LAYOUTS))
+def test_case_arrays_have_the_layout_they_claim(layout):
+    case = bench.Case((2, 3, 4, 5), "float32", layout)
+    d = bench.make_arrays(case)
+    assert d.grad_out.shape == d.input.shape == case.shape
+    cl_strides = (4 * 5 * 3 * 4, 4, 5 * 3 * 4, 3 * 4)  # NHWC memory, NCHW shape
+    c_strides = (3 * 4 * 5 * 4, 4 * 5 * 4, 5 * 4, 4)
+    dy_strides, x_strides = {
+        "contiguous": (c_strides, c_strides), "channels_last": (cl_strides, cl_strides),
+        "mixed": (cl_strides, c_strides), "mixed_r": (c_strides, cl_strides),
+    }.get(layout, (c_strides, None))
+    assert d.grad_out.strides == dy_strides
+    if layout == "sliced":
+        assert not d.input.flags.c_contiguous and d.input.strides[-1] == 4
+    else:
+        assert d.input.strides == x_strides
+    # the floor runs on dense arrays in the input's layout, with the same values
+    assert d.floor_dy.strides == d.floor_x.strides
+    np.testing.assert_array_equal(d.floor_dy, d.grad_out)
+    np.testing.assert_array_equal(d.floor_x, d.input)
+
+
+def test_select_cases_filters_and_aliases():
+    default = bench.select_cases("default")
+    shapes = {(c.shape, c.dtype, c.layout) for c in default}
+    for shape in [(32, 64, 112, 112), (32, 256, 56, 56), (32, 512, 28, 28), (32, 1024, 14, 14),
+                  (32, 2048, 7, 7)]:  # the issue's ResNet-50 shapes, both layouts, float32
+        assert (shape, "float32", "contiguous") in shapes
+        assert (shape, "float32", "channels_last") in shapes
+    assert {c.layout for c in default} == set(bench.LAYOUTS)
+    assert {"bfloat16", "float16"} <= {c.dtype for c in default}
+
+    bf = bench.select_cases("default", ["bf16"], ["nhwc"])
+    assert bf and all(c.dtype == "bfloat16" and c.layout == "channels_last" for c in bf)
+    both = bench.select_cases("resnet50", ["fp32,bfloat16"], ["NCHW"])
+    assert {c.dtype for c in both} == {"float32", "bfloat16"}
+    assert len(both) == len(bench.RESNET50_SHAPES) * 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (("nope", None, None), "--suite"),
+    (("quick", ["float8"], None), "--dtype.*float8"),
+    (("quick", None, ["diagonal"]), "--layout.*diagonal"),
+    (("quick", ["float64"], None), "no case of suite 'quick'"),
+])
+def test_select_cases_errors_name_the_option(args, message):
+    with pytest.raises(ArgumentValueError, match=message):
+        bench.select_cases(*args)
+
+
+def test_memory_probe_sees_a_temporary():
+    if not bench._reset_peak_rss():
+        pytest.skip("peak RSS cannot be reset on this platform (Linux /proc/self/clear_refs)")
+    n = 64 << 20
+
+    def with_temporary():
+        tmp = np.ones(n, np.uint8)  # paged in: counts in the resident set
+        return np.zeros(16, np.uint8) + tmp[:16]
+
+    def without():
+        return np.zeros(16, np.uint8)
+
+    seen = bench.measure_extra_memory(with_temporary, 16)
+    assert seen["rss_extra"] >= 0.9 * n
+    assert seen["numpy_traced_peak"] >= n
+    assert bench.measure_extra_memory(without, 16)["rss_extra"] < 8 << 20
+
+
+@pytest.fixture
+def tiny_suite(monkeypatch):
+    monkeypatch.setitem(bench.SUITES, "quick", (lambda: list(TINY), 2, "tiny"))
+
+
+def _run_cli(tmp_path, *extra):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = cli.main(["bench", "--suite", "quick", "--repeat", "2", "--threads", "2",
+                   "--json", str(out_json), "--plot", str(out_png), *extra])
+    assert rc == 0
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return json.loads(out_json.read_text())
+
+
+def test_cli_runs_a_suite_and_writes_json_and_plot(tiny_suite, tmp_path, capsys):
+    pytest.importorskip("torch")
+    result = _run_cli(tmp_path, "--scaling")
+    out = capsys.readouterr().out
+    assert "geometric mean" in out and "floor" in out
+
+    assert result["machine"]["threads"] == result["options"]["threads"] == 2
+    for key in ("cpu_model", "cores", "date", "numpy", "numba", "torch", "bngrad"):
+        assert result["machine"][key]
+    assert len(result["cases"]) == len(TINY)
+    for got, case in zip(result["cases"], TINY):
+        assert (tuple(got["shape"]), got["dtype"], got["layout"]) == (
+            case.shape, case.dtype, case.layout)
+        for name in ("bngrad", "torch", "reference", "floor", "floor_in_place", "bngrad@1"):
+            t = got["timings"][name]
+            assert len(t["samples_ms"]) >= 2 and t["q1_ms"] <= t["median_ms"] <= t["q3_ms"]
+        bn, th, fl = (got["timings"][k]["median_ms"] for k in ("bngrad", "torch", "floor"))
+        assert got["speedup_vs_torch"] == pytest.approx(th / bn)
+        assert got["ratio_to_floor"] == pytest.approx(bn / fl)
+        assert got["gbps"] == pytest.approx(3 * got["bytes_per_array"] / (bn * 1e-3) / 1e9)
+        assert got["deterministic_across_threads"] is True
+        assert got["max_rel_diff_vs_torch"] < 0.05  # same answer as PyTorch (guard, not a test)
+        assert got["extra_memory"]["bngrad"]["numpy_traced_peak"] >= 0
+    assert result["summary"]["geomean_speedup_vs_torch"] > 0
+
+
+def test_cli_without_torch_says_so(tiny_suite, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    result = _run_cli(tmp_path, "--no-memory")
+    out = capsys.readouterr().out
+    assert "PyTorch is not installed" in out
+    assert result["machine"]["torch"] is None
+    for got in result["cases"]:
+        assert "torch" not in got["timings"] and "PyTorch is not installed" in got["skipped"]["torch"]
+        assert got["speedup_vs_torch"] is None and got["ratio_to_floor"] > 0
+
+
+def test_cli_reference_cap_and_list(tiny_suite, tmp_path, capsys):
+    result = _run_cli(tmp_path, "--reference-cap", "100", "--no-memory")
+    for got in result["cases"]:
+        assert ("reference" in got["timings"]) == (np.prod(got["shape"]) <= 100)
+    assert cli.main(["bench", "--suite", "quick", "--list"]) == 0
+    assert "4x3x5x6 bfloat16 NHWC" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [["--threads", "0"], ["--repeat", "0"], ["--dtype", "int8"]])
+def test_cli_bad_arguments_exit_2_with_a_message(argv, capsys):
+    assert cli.main(["bench", "--suite", "quick", *argv]) == 2
+    assert "bngrad bench:" in capsys.readouterr().out
