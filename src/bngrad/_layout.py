@@ -14,6 +14,7 @@ order that was used, which is input's own order whenever input is dense.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -74,8 +75,8 @@ def finish_output(result: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
 
 def _canonical(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
     shape = memory_ordered.shape
-    A = int(np.prod(shape[:channel_position], dtype=np.int64))
-    B = int(np.prod(shape[channel_position + 1:], dtype=np.int64))
+    A = math.prod(shape[:channel_position])
+    B = math.prod(shape[channel_position + 1:])
     C = shape[channel_position]
     canonical = (A, C) if B == 1 else (A, C, B)
     return as_kernel_array(memory_ordered).reshape(canonical)

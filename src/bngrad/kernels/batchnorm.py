@@ -200,6 +200,14 @@ def normalize_channels_first(x, out, coef, seg):
 # ---------------------------------------------------------------------------------------------
 # channels-last (M, C)
 
+@njit(**_JIT)
+def _accumulate_row(xr, dr, mean, psd, psx):
+    for c in range(dr.shape[0]):
+        d = np.float64(to_float(dr[c]))
+        psd[c] += d
+        psx[c] += d * (np.float64(to_float(xr[c])) - mean[c])
+
+
 @njit(parallel=True, **_JIT)
 def reduce_channels_last(x, dy, mean, rows, cols, partial):
     """partial[j, 0/1, c] = (sum dy, sum dy*(x-mean)) over rows block j, for column group of c."""
@@ -211,18 +219,13 @@ def reduce_channels_last(x, dy, mean, rows, cols, partial):
         j = item // n_groups
         c0 = g * cols
         c1 = min(C, c0 + cols)
-        psd = partial[j, 0]
-        psx = partial[j, 1]
-        for c in range(c0, c1):
-            psd[c] = 0.0
-            psx[c] = 0.0
+        psd = partial[j, 0, c0:c1]
+        psx = partial[j, 1, c0:c1]
+        psd[:] = 0.0
+        psx[:] = 0.0
+        group_mean = mean[c0:c1]
         for r in range(j * rows, min(M, j * rows + rows)):
-            xr = x[r]
-            dr = dy[r]
-            for c in range(c0, c1):
-                d = np.float64(to_float(dr[c]))
-                psd[c] += d
-                psx[c] += d * (np.float64(to_float(xr[c])) - mean[c])
+            _accumulate_row(x[r, c0:c1], dy[r, c0:c1], group_mean, psd, psx)
 
 
 @njit(**_JIT)

@@ -32,6 +32,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 import bngrad as _api  # the public core API
 from ..errors import ArgumentValueError, BngradError
 from ._convert import from_numpy, to_numpy, to_numpy_optional
+from .functional import batch_norm  # the plain, local layer
 
 __all__ = ["SyncBatchNorm", "CollectiveError"]
 
@@ -112,7 +113,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         n_channels = x.shape[1]
         local_count = x.size // n_channels
         if local_count:
-            mean, var = _api.batch_norm_moments(x, channel_axis=1)
+            mean, var = _api.reference.batch_norm_moments(x, channel_axis=1)
         else:
             mean = var = np.zeros(n_channels)
         buf = torch.from_numpy(np.concatenate([[local_count], mean, var * local_count]))
@@ -193,15 +194,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
-def _local_batch_norm(*args: Any) -> torch.Tensor:
-    """Batch norm of this rank alone: bngrad's layer where it exists, else PyTorch's."""
-    try:
-        from .functional import batch_norm
-    except ImportError:
-        batch_norm = torch.nn.functional.batch_norm
-    return batch_norm(*args)
-
-
 class SyncBatchNorm(_BatchNorm):
     r"""Batch norm over the whole global batch of a torch.distributed process group, on the CPU.
 
@@ -277,7 +269,7 @@ class SyncBatchNorm(_BatchNorm):
             group = self.process_group or dist.group.WORLD
             world = dist.get_world_size(group)
         if world <= 1:
-            return _local_batch_norm(input, running_mean, running_var, self.weight, self.bias,
+            return batch_norm(input, running_mean, running_var, self.weight, self.bias,
                                      bn_training, factor, self.eps)
 
         layer = f"{type(self).__name__}({self.num_features})"
