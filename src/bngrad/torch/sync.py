@@ -113,7 +113,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         n_channels = x.shape[1]
         local_count = x.size // n_channels
         if local_count:
-            mean, var = _api.reference.batch_norm_moments(x, channel_axis=1)
+            mean, var = _api.batch_norm_moments(x, channel_axis=1)
         else:
             mean = var = np.zeros(n_channels)
         buf = torch.from_numpy(np.concatenate([[local_count], mean, var * local_count]))
