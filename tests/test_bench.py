@@ -201,3 +201,16 @@ def test_cli_reference_cap_and_list(tiny_suite, tmp_path, capsys):
 def test_cli_bad_arguments_exit_2_with_a_message(argv, capsys):
     assert cli.main(["bench", "--suite", "quick", *argv]) == 2
     assert "bngrad bench:" in capsys.readouterr().out
+
+
+def test_cli_startup_times_cold_and_warm_first_calls(tiny_suite, tmp_path, monkeypatch, capsys):
+    """Fresh processes with a private kernel cache: the cold one compiles, the warm one loads."""
+    monkeypatch.setitem(bench.SUITES, "quick", (lambda: TINY[:1], 1, "one case"))
+    monkeypatch.setattr(bench, "STARTUP_CALLS", bench.STARTUP_CALLS[:1])
+    result = _run_cli(tmp_path, "--startup", "--no-memory")
+    assert "First call in a fresh process" in capsys.readouterr().out
+    startup = result["startup"]
+    first = startup["calls"][0]
+    cold, warm = startup["cold"], startup["warm"]
+    assert 0 < warm["first_call_s"][first] < cold["first_call_s"][first]
+    assert 0 < warm["import_s"] and warm["process_s"] >= warm["import_s"]
