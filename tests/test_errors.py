@@ -1,0 +1,192 @@
+"""Every bad input from the issue raises a clear exception naming the argument.
+
+Each case says which public function, which argument is spoiled and how, the expected
+builtin class (ValueError / TypeError: bngrad's exceptions subclass them and BngradError),
+and the argument name the message must contain (plus, where it helps, what arrived).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import bngrad
+from bngrad import BngradError
+
+F32 = np.float32
+
+
+def _base(n=4, c=3, s=5):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, c, s)).astype(F32)
+    dy = rng.standard_normal((n, c, s)).astype(F32)
+    vec = lambda v: np.full(c, v, dtype=F32)  # noqa: E731
+    return {
+        "backward": dict(grad_out=dy, input=x, weight=vec(1.0), running_mean=vec(0.0),
+                         running_var=vec(1.0), save_mean=vec(0.0), save_invstd=vec(1.0),
+                         train=True, eps=1e-5, output_mask=(True, True, True)),
+        "forward": dict(input=x, weight=vec(1.0), bias=vec(0.0), running_mean=vec(0.0),
+                        running_var=vec(1.0), train=True, momentum=0.1, eps=1e-5),
+        "reduce": dict(grad_out=dy, input=x, mean=vec(0.0), invstd=vec(1.0), weight=vec(1.0),
+                       input_g=True, weight_g=True, bias_g=True),
+        "elemt": dict(grad_out=dy, input=x, mean=vec(0.0), invstd=vec(1.0), weight=vec(1.0),
+                      sum_dy=vec(0.0), sum_dy_xmu=vec(0.0), count=n * s),
+        "moments": dict(input=x),
+    }
+
+
+FUNCS = {
+    "backward": bngrad.batch_norm_backward,
+    "forward": bngrad.batch_norm_forward,
+    "reduce": bngrad.batch_norm_backward_reduce,
+    "elemt": bngrad.batch_norm_backward_elemt,
+    "moments": bngrad.batch_norm_moments,
+}
+
+DATA_FUNCS = ("backward", "reduce", "elemt")          # take grad_out and input
+ALL = ("backward", "forward", "reduce", "elemt", "moments")
+
+
+def _x(shape, dtype=F32):
+    return np.zeros(shape, dtype=dtype)
+
+
+# (id, functions, changes to the valid arguments, exception, name in message, arrived text)
+BAD = [
+    ("grad_out-shape", DATA_FUNCS, dict(grad_out=_x((4, 3, 6))), ValueError, "grad_out", "6"),
+    ("grad_out-ndim", DATA_FUNCS, dict(grad_out=_x((4, 15))), ValueError, "grad_out", None),
+    ("grad_out-dtype", DATA_FUNCS, dict(grad_out=_x((4, 3, 5), np.float64)), TypeError,
+     "grad_out", "float64"),
+    ("grad_out-None", DATA_FUNCS, dict(grad_out=None), TypeError, "grad_out", None),
+    ("input-1d", ("forward", "moments"), dict(input=_x((3,))), ValueError, "input", None),
+    ("input-0d", ("forward", "moments"), dict(input=np.float32(1.0)), ValueError, "input", None),
+    ("input-1d", DATA_FUNCS, dict(input=_x((3,)), grad_out=_x((3,))), ValueError, "input",
+     None),
+    ("input-int32", ("forward", "moments"), dict(input=_x((4, 3, 5), np.int32)), TypeError,
+     "input", "int32"),
+    ("input-bool", ("forward", "moments"), dict(input=_x((4, 3, 5), bool)), TypeError, "input",
+     "bool"),
+    ("input-complex", ("forward", "moments"), dict(input=_x((4, 3, 5), np.complex64)),
+     TypeError, "input", "complex"),
+    ("input-int64", DATA_FUNCS, dict(input=_x((4, 3, 5), np.int64),
+                                      grad_out=_x((4, 3, 5), np.int64)), TypeError, "input",
+     "int64"),
+    ("input-uint8", DATA_FUNCS, dict(input=_x((4, 3, 5), np.uint8),
+                                      grad_out=_x((4, 3, 5), np.uint8)), TypeError, "input",
+     "uint8"),
+    ("input-object", ("forward",), dict(input=np.full((4, 3, 5), "a", dtype=object)),
+     TypeError, "input", None),
+    ("input-None", ALL, dict(input=None), TypeError, "input", None),
+    ("weight-length", ("backward", "forward", "reduce", "elemt"), dict(weight=_x(4)),
+     ValueError, "weight", "4"),
+    ("weight-2d", ("backward", "forward"), dict(weight=_x((3, 1))), ValueError, "weight", None),
+    ("weight-int", ("backward", "forward"), dict(weight=np.ones(3, np.int32)), TypeError,
+     "weight", "int32"),
+    ("weight-float16", ("backward", "forward"), dict(weight=np.ones(3, np.float16)), TypeError,
+     "weight", "float16"),
+    ("bias-length", ("forward",), dict(bias=_x(2)), ValueError, "bias", "2"),
+    ("running_mean-length", ("backward", "forward"), dict(running_mean=_x(5)), ValueError,
+     "running_mean", "5"),
+    ("running_var-length", ("backward", "forward"), dict(running_var=_x(1)), ValueError,
+     "running_var", "1"),
+    ("save_mean-length", ("backward",), dict(save_mean=_x(4)), ValueError, "save_mean", "4"),
+    ("save_invstd-length", ("backward",), dict(save_invstd=_x(2)), ValueError, "save_invstd",
+     "2"),
+    ("mean-length", ("reduce", "elemt"), dict(mean=_x(4)), ValueError, "mean", "4"),
+    ("invstd-length", ("reduce", "elemt"), dict(invstd=_x(4)), ValueError, "invstd", "4"),
+    ("mean-None", ("reduce", "elemt"), dict(mean=None), ValueError, "mean", None),
+    ("sum_dy-length", ("elemt",), dict(sum_dy=_x(4)), ValueError, "sum_dy", "4"),
+    ("sum_dy_xmu-None", ("elemt",), dict(sum_dy_xmu=None), ValueError, "sum_dy_xmu", None),
+    ("count-zero", ("elemt",), dict(count=0), ValueError, "count", None),
+    ("count-negative", ("elemt",), dict(count=-5), ValueError, "count", None),
+    ("count-text", ("elemt",), dict(count="many"), TypeError, "count", None),
+    ("eps-negative", ("backward", "forward"), dict(eps=-1e-5), ValueError, "eps", None),
+    ("eps-nan", ("backward", "forward"), dict(eps=float("nan")), ValueError, "eps", "nan"),
+    ("eps-text", ("backward", "forward"), dict(eps="small"), TypeError, "eps", None),
+    ("momentum-nan", ("forward",), dict(momentum=float("nan")), ValueError, "momentum", None),
+    ("output_mask-two", ("backward",), dict(output_mask=(True, True)), (ValueError, TypeError),
+     "output_mask", None),
+    ("output_mask-four", ("backward",), dict(output_mask=[True] * 4), (ValueError, TypeError),
+     "output_mask", None),
+    ("output_mask-ints", ("backward",), dict(output_mask=(1, 0, 1)), (ValueError, TypeError),
+     "output_mask", None),
+    ("output_mask-str", ("backward",), dict(output_mask="111"), (ValueError, TypeError),
+     "output_mask", None),
+    ("output_mask-None", ("backward",), dict(output_mask=None), (ValueError, TypeError),
+     "output_mask", None),
+    ("train-text", ("backward", "forward"), dict(train="yes"), TypeError, "train", None),
+    ("input_g-int", ("reduce",), dict(input_g=1), TypeError, "input_g", None),
+    ("channel_axis-3", ALL, dict(channel_axis=3), ValueError, "channel_axis", "3"),
+    ("channel_axis--4", ALL, dict(channel_axis=-4), ValueError, "channel_axis", "-4"),
+    ("channel_axis-float", ALL, dict(channel_axis=1.0), TypeError, "channel_axis", None),
+    ("num_threads-0", ALL, dict(num_threads=0), ValueError, "num_threads", "0"),
+    ("num_threads--2", ALL, dict(num_threads=-2), ValueError, "num_threads", "-2"),
+    ("num_threads-float", ALL, dict(num_threads=2.5), TypeError, "num_threads", None),
+    ("eval-no-running", ("backward", "forward"),
+     dict(train=False, running_mean=None, running_var=None), ValueError, "running_mean", None),
+    ("eval-no-running_var", ("backward", "forward"), dict(train=False, running_var=None),
+     ValueError, "running_var", None),
+    ("eval-no-running_mean", ("backward", "forward"), dict(train=False, running_mean=None),
+     ValueError, "running_mean", None),
+]
+
+
+def _cases():
+    for ident, funcs, change, exc, name, arrived in BAD:
+        for func in funcs:
+            yield pytest.param(func, change, exc, name, arrived, id=f"{func}-{ident}")
+
+
+@pytest.mark.parametrize("func,change,exc,name,arrived", list(_cases()))
+def test_bad_input_raises_clear_error(func, change, exc, name, arrived):
+    kwargs = {**_base()[func], **change}
+    with pytest.raises(exc) as info:
+        FUNCS[func](**kwargs)
+    assert isinstance(info.value, BngradError), (
+        f"expected a bngrad error (BngradError subclass), got {type(info.value).__name__}: "
+        f"{info.value}")
+    message = str(info.value)
+    assert name in message, f"message does not name {name!r}: {message!r}"
+    if arrived is not None:
+        assert arrived in message, f"message does not say what arrived ({arrived!r}): {message!r}"
+
+
+def test_error_classes_are_ordinary_value_and_type_errors():
+    assert issubclass(bngrad.ArgumentValueError, ValueError)
+    assert issubclass(bngrad.ArgumentTypeError, TypeError)
+    assert issubclass(bngrad.ArgumentValueError, BngradError)
+    assert issubclass(bngrad.ArgumentTypeError, BngradError)
+
+
+def test_torch_tensor_input_is_a_clear_type_error():
+    torch = pytest.importorskip("torch")
+    x = torch.zeros(4, 3, 5)
+    with pytest.raises(TypeError, match="input"):
+        bngrad.batch_norm_forward(x)
+    with pytest.raises(TypeError, match="grad_out|input"):
+        bngrad.batch_norm_backward(x, x)
+
+
+def test_read_only_running_stats_in_train_mode():
+    """They are updated in place; a read-only array must be refused, not silently skipped."""
+    kwargs = _base()["forward"]
+    rm = kwargs["running_mean"].copy()
+    rm.flags.writeable = False
+    with pytest.raises(ValueError, match="running_mean"):
+        bngrad.batch_norm_forward(**{**kwargs, "running_mean": rm})
+
+
+@pytest.mark.parametrize("func", ["backward", "forward"])
+def test_eval_without_running_stats_does_not_crash_where_torch_segfaults(func):
+    """PyTorch segfaults on this; we raise. (Kept separate so the intent is on record.)"""
+    kwargs = {**_base()[func], "train": False, "running_mean": None, "running_var": None}
+    with pytest.raises(ValueError):
+        FUNCS[func](**kwargs)
+
+
+def test_valid_base_arguments_work():
+    """The error cases above start from arguments that work, so each failure is its own."""
+    for func, kwargs in _base().items():
+        FUNCS[func](**kwargs)
+        if func in ("backward", "forward"):
+            FUNCS[func](**{**kwargs, "train": False})
