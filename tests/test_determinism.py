@@ -1,0 +1,151 @@
+"""Bitwise determinism: every result is identical for num_threads = 1, 2, 3 and 4.
+
+Numba caps the thread count at its pool size (NUMBA_NUM_THREADS, the number of cores by
+default), so on a 2-core machine num_threads=3 or 4 would silently run on 2. The comparison
+therefore runs in a child process started with NUMBA_NUM_THREADS=4, where 4 threads really
+run (oversubscribed if need be; that changes timing, not results). The child computes every
+path — backward (train with and without stats, each output mask kind, eval), forward (train,
+eval), reduce, elemt, moments — for every dtype on channels-first, channels-last and large-C
+shapes whose reductions span several blocks, and reports which differ from num_threads=1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import bngrad
+from conftest import make_case
+
+THREADS = (1, 2, 3, 4)
+SHAPES = [
+    ("chfirst-8x3x5000", (8, 3, 5000), 1, "contig"),
+    ("chlast-50000x4", (50000, 4), 1, "contig"),
+    ("largeC-3000x700", (3000, 700), 1, "contig"),
+    ("nhwc-8x64x16x16", (8, 64, 16, 16), 1, "chlast"),
+    ("smallC-chfirst-4x2x30000", (4, 2, 30000), 1, "contig"),
+]
+VARIANTS = ["float32", "bfloat16-p32", "float64", "float16"]
+PATHS = ["backward-train", "backward-nostats", "backward-grads-only", "backward-input-only",
+         "backward-eval", "forward-train", "forward-eval", "reduce", "elemt", "moments"]
+
+
+def _run_path(path, case, threads):
+    """All outputs of one path as a list of arrays (None dropped)."""
+    kw = dict(channel_axis=case.channel_axis, num_threads=threads)
+    c = case
+    if path.startswith("backward"):
+        mask, train, mean, invstd = (True, True, True), True, c.save_mean, c.save_invstd
+        if path == "backward-nostats":
+            mean = invstd = None
+        elif path == "backward-grads-only":
+            mask = (False, True, True)
+        elif path == "backward-input-only":
+            mask = (True, False, False)
+        elif path == "backward-eval":
+            train = False
+        out = bngrad.batch_norm_backward(c.grad_out, c.input, c.weight, c.running_mean,
+                                         c.running_var, mean, invstd, train, c.eps, mask, **kw)
+        return [o for o in out if o is not None]
+    if path.startswith("forward"):
+        rm, rv = c.running_mean.copy(), c.running_var.copy()
+        out = bngrad.batch_norm_forward(c.input, c.weight, c.weight, rm, rv,
+                                        path == "forward-train", 0.1, c.eps, **kw)
+        return list(out) + [rm, rv]
+    if path == "reduce":
+        return list(bngrad.batch_norm_backward_reduce(c.grad_out, c.input, c.save_mean,
+                                                      c.save_invstd, c.weight, **kw))
+    if path == "elemt":
+        s_dy, s_dy_xmu, _, _ = bngrad.batch_norm_backward_reduce(
+            c.grad_out, c.input, c.save_mean, c.save_invstd, c.weight, **kw)
+        count = c.input.size // c.input.shape[c.channel_axis]
+        return [bngrad.batch_norm_backward_elemt(c.grad_out, c.input, c.save_mean,
+                                                 c.save_invstd, c.weight, s_dy, s_dy_xmu,
+                                                 count, **kw)]
+    if path == "moments":
+        return list(bngrad.batch_norm_moments(c.input, **kw))
+    raise ValueError(path)
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(f"u{a.itemsize}")
+
+
+def _differences(variant, shape_id, shape, axis, layout):
+    """{path: None if identical for all thread counts, else a description}."""
+    case = make_case(shape, axis, variant, "train", True, layouts=(layout, layout), seed=21)
+    report = {}
+    for path in PATHS:
+        results = {t: _run_path(path, case, t) for t in THREADS}
+        base = results[1]
+        problem = None
+        for t in THREADS[1:]:
+            for i, (a, b) in enumerate(zip(base, results[t])):
+                if a.dtype != b.dtype or a.shape != b.shape:
+                    problem = f"output {i}: {a.dtype}{a.shape} vs {b.dtype}{b.shape} at {t}"
+                elif not np.array_equal(_bits(a), _bits(b)):
+                    n = int(np.sum(_bits(a) != _bits(b)))
+                    problem = (f"output {i}: {n} of {a.size} elements differ between "
+                               f"num_threads=1 and num_threads={t}")
+                if problem:
+                    break
+            if problem:
+                break
+        report[path] = problem
+    return report
+
+
+def child_main(out_path):  # runs in the child process
+    import numba
+    report = {"numba_threads": numba.config.NUMBA_NUM_THREADS, "cases": {}}
+    for variant in VARIANTS:
+        for shape_id, shape, axis, layout in SHAPES:
+            for path, problem in _differences(variant, shape_id, shape, axis, layout).items():
+                report["cases"][f"{variant}-{shape_id}-{path}"] = problem
+    with open(out_path, "w") as f:
+        json.dump(report, f)
+
+
+@pytest.fixture(scope="module")
+def child_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("determinism") / "report.json"
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "NUMBA_NUM_THREADS": "4"}
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            f"import test_determinism; test_determinism.child_main({str(out)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"child failed:\n{proc.stderr[-4000:]}"
+    with open(out) as f:
+        return json.load(f)
+
+
+def _ids():
+    return [f"{v}-{s[0]}-{p}" for v in VARIANTS for s in SHAPES for p in PATHS]
+
+
+def test_child_really_had_four_threads(child_report):
+    assert child_report["numba_threads"] == 4
+
+
+@pytest.mark.parametrize("case_id", _ids())
+def test_bitwise_identical_for_any_thread_count(child_report, case_id):
+    problem = child_report["cases"][case_id]
+    assert problem is None, problem
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16-p32"])
+def test_default_threads_and_repeated_calls_identical(variant):
+    """num_threads=None gives the same bits as num_threads=1, and every call the same."""
+    case = make_case((8, 3, 5000), 1, variant, "train", True, seed=5)
+    one = bngrad.batch_norm_backward(*case.args(), num_threads=1)
+    for _ in range(3):
+        again = bngrad.batch_norm_backward(*case.args())
+        for a, b in zip(one, again):
+            assert np.array_equal(_bits(a), _bits(b))
