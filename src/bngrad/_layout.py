@@ -8,8 +8,8 @@ after — or, when B == 1, to channels-last ``(A, C)``. NCHW gives (N, C, H*W); 
 
 grad_out is read in input's memory order; if it is not dense in that order it is copied once.
 An input that is not dense in any order (sliced, padded, negative strides) is copied once into
-grad_out's order when grad_out is dense, else into C order. grad_input is allocated in the
-order that was used, which is input's own order whenever input is dense.
+C order. grad_input is allocated in the order that was used: input's own order whenever input
+is dense, C order otherwise.
 """
 
 from __future__ import annotations
@@ -87,8 +87,7 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -
     order = _memory_order(input)
     if order is None:
         copied.append("input")
-        order = (_memory_order(grad_out) if grad_out is not None else None) \
-            or tuple(range(input.ndim))
+        order = tuple(range(input.ndim))
     x = np.ascontiguousarray(input.transpose(order))
     dy = None
     if grad_out is not None:

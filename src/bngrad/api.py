@@ -149,7 +149,8 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
             if running_mean is not None and count > 0:
                 running_mean[...] = (1 - momentum) * running_mean + momentum * mean
             if running_var is not None and count > 0:
-                unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.inf)
+                # count 1: 0/0, NaN, as in PyTorch
+                unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.nan)
                 running_var[...] = (1 - momentum) * running_var + momentum * unbiased
         else:
             mean = running_mean.astype(np.float64)

@@ -142,7 +142,7 @@ def batch_norm_forward(input, weight=None, bias=None, running_mean=None, running
         if running_mean is not None:
             new_rm = (1 - momentum) * _f64(running_mean) + momentum * mean
         if running_var is not None:
-            unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.inf)
+            unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.nan)
             new_rv = (1 - momentum) * _f64(running_var) + momentum * unbiased
         save_mean, save_invstd = mean, invstd
     else:
