@@ -1,0 +1,152 @@
+"""Concurrency: several Python threads calling at once, and fork() after the parent has called.
+
+Numba's threading layers differ (workqueue is not thread-safe, OpenMP is not fork-safe);
+bngrad must be correct under both uses and must never hang. Every wait has a timeout so a
+hang fails the test instead of stalling the suite.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import bngrad
+from conftest import make_case
+
+TIMEOUT = 120  # seconds; generous for a loaded 2-core machine, finite for a hang
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(f"u{a.itemsize}")
+
+
+def _same(xs, ys):
+    return all((x is None and y is None) or np.array_equal(_bits(x), _bits(y))
+               for x, y in zip(xs, ys))
+
+
+def _work(i):
+    """A different problem per worker: dtype, layout and shape vary with i."""
+    variant = ["float32", "bfloat16-p32", "float64", "float16"][i % 4]
+    layout = ["contig", "chlast"][i % 2]
+    case = make_case((6 + i, 16, 20, 30), 1, variant, "train", True, layouts=(layout, layout),
+                     seed=i)
+    return case
+
+
+def _call(case, num_threads):
+    back = bngrad.batch_norm_backward(*case.args(), num_threads=num_threads)
+    rm, rv = case.running_mean.copy(), case.running_var.copy()
+    fwd = bngrad.batch_norm_forward(case.input, case.weight, case.weight, rm, rv, True,
+                                    num_threads=num_threads)
+    return list(back) + list(fwd) + [rm, rv]
+
+
+def test_several_python_threads_at_once():
+    n_workers, repeats = 4, 8
+    cases = [_work(i) for i in range(n_workers)]
+    thread_counts = [None, 1, 2, 3]
+    expected = [_call(c, 1) for c in cases]  # serial results first
+    errors: list[str] = []
+    barrier = threading.Barrier(n_workers)
+
+    def worker(i):
+        try:
+            barrier.wait(timeout=TIMEOUT)
+            for r in range(repeats):
+                got = _call(cases[i], thread_counts[(i + r) % len(thread_counts)])
+                if not _same(got, expected[i]):
+                    errors.append(f"worker {i}, repeat {r}: result differs from the serial one")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"worker {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(n_workers)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + TIMEOUT
+    for t in threads:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "threads still running: a hang?"
+    assert not errors, "\n".join(errors)
+
+
+def _child_check(case, expected) -> int:
+    """Exit status for a forked child: 0 ok, 1 wrong result, 2 exception."""
+    try:
+        got = _call(case, None)
+        got_one = _call(case, 1)
+        return 0 if _same(got, expected) and _same(got_one, expected) else 1
+    except BaseException:  # noqa: BLE001
+        return 2
+
+
+def _wait_or_kill(pid: int, timeout: float) -> int | None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    return None
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_os_fork_after_parent_called():
+    case = _work(1)
+    expected = _call(case, None)  # the parent has started its thread pool
+    pid = os.fork()
+    if pid == 0:  # child: never return into pytest
+        code = 3
+        try:
+            code = _child_check(case, expected)
+        finally:
+            os._exit(code)
+    code = _wait_or_kill(pid, TIMEOUT)
+    assert code is not None, f"forked child hung for {TIMEOUT} s"
+    assert code == 0, {1: "forked child got a different result", 2: "forked child raised"}.get(
+        code, f"forked child exited with {code}")
+    # and the parent still works after the fork
+    assert _same(_call(case, None), expected)
+
+
+def _mp_target(queue, seed):
+    case = _work(seed)
+    got = _call(case, None)
+    queue.put([None if g is None else g.astype(np.float64) for g in got])
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
+                    reason="no fork start method")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_multiprocessing_fork_context_after_parent_called():
+    ctx = multiprocessing.get_context("fork")
+    seeds = [0, 1, 2]
+    expected = {s: _call(_work(s), None) for s in seeds}
+    queues, procs = {}, {}
+    for s in seeds:
+        queues[s] = ctx.Queue()
+        procs[s] = ctx.Process(target=_mp_target, args=(queues[s], s), daemon=True)
+        procs[s].start()
+    try:
+        for s in seeds:
+            got = queues[s].get(timeout=TIMEOUT)
+            want = [None if e is None else e.astype(np.float64) for e in expected[s]]
+            assert _same(got, want), f"child {s}: different result"
+        for s in seeds:
+            procs[s].join(timeout=TIMEOUT)
+            assert procs[s].exitcode == 0, f"child {s} exit code {procs[s].exitcode}"
+    finally:
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+                p.join(5)
