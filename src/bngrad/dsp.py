@@ -320,7 +320,7 @@ def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
 def fp_batch_norm_grad_p(x: np.ndarray, dy: np.ndarray, dx: np.ndarray,
                          params: Sequence[Any]) -> None:
     """BatchNormGrad, float32, private storage: one core. Arguments as :func:`fp_batch_norm_grad_s`."""
-    _batch_norm_grad(x, dy, dx, params, half=False, num_threads=2)
+    _batch_norm_grad(x, dy, dx, params, half=False, num_threads=1)
 
 
 def hp_batch_norm_grad_p(x: np.ndarray, dy: np.ndarray, dx: np.ndarray,
