@@ -242,21 +242,25 @@ def test_threads_for_core_mask(monkeypatch):
     assert dsp.threads_for_core_mask(0xFF) == 2
 
 
-def test_core_mask_reaches_the_core(monkeypatch):
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_core_mask_reaches_the_core(monkeypatch, train):
+    """_s: popcount(core_mask) threads; _p: one thread (private storage, one core)."""
     seen = []
-    real = dsp.api.batch_norm_backward
+    name = "batch_norm_backward" if train else "batch_norm_backward_reduce"
+    real = getattr(dsp.api, name)
 
     def spy(*args, **kwargs):
         seen.append(kwargs["num_threads"])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(dsp.api, "batch_norm_backward", spy)
+    monkeypatch.setattr(dsp.api, name, spy)
     monkeypatch.setattr(dsp.os, "cpu_count", lambda: 64)
-    b = make_buffers(2, 3)
-    dsp.fp_batch_norm_grad_s(b["x"], b["dy"], b["dx"], params_of(b), core_mask=0b1011)
-    dsp.hp_batch_norm_grad_p(*(make_buffers(2, 3, half=True)[k] for k in ("x", "dy", "dx")),
-                             params_of(make_buffers(2, 3, half=True)))
-    assert seen == [3, 1]
+    for fn in FUNCTIONS:
+        func, half = FUNCTIONS[fn]
+        b = make_buffers(2, 3, half=half, train=train)
+        args = (b["x"], b["dy"], b["dx"], params_of(b))
+        func(*args, core_mask=0b1011) if fn.endswith("_s") else func(*args)
+    assert seen == [3, 1, 3, 1]
 
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
