@@ -157,13 +157,15 @@ def scenarios(rank: int, world: int, cases: list[dict]) -> dict:
         lo = sum(case["counts"][:rank])
         hi = lo + case["counts"][rank]
 
+        fmt = torch.channels_last_3d if case["X"][0].ndim == 5 else torch.channels_last
+
         def local(a: Any) -> Any:
             t = from_numpy(np.ascontiguousarray(a[lo:hi]).astype(numpy_dtype(dtype)))
-            return t.contiguous(memory_format=torch.channels_last) if case["channels_last"] else t
+            return t.contiguous(memory_format=fmt) if case["channels_last"] else t
 
         steps = []
         for X, G in zip(case["X"], case["G"]):
-            x = local(X).requires_grad_(True)
+            x = local(X).requires_grad_(case["input_grad"])
             y = bn(x)
             y.backward(local(G))
             steps.append({
@@ -173,8 +175,9 @@ def scenarios(rank: int, world: int, cases: list[dict]) -> dict:
                 "running_mean": _arr(bn.running_mean), "running_var": _arr(bn.running_var),
                 "num_batches_tracked": None if bn.num_batches_tracked is None
                 else int(bn.num_batches_tracked),
-                "y_channels_last": y.is_contiguous(memory_format=torch.channels_last),
-                "gi_channels_last": x.grad.is_contiguous(memory_format=torch.channels_last),
+                "y_channels_last": y.is_contiguous(memory_format=fmt),
+                "gi_channels_last": x.grad is not None
+                and x.grad.is_contiguous(memory_format=fmt),
             })
             if case["affine"]:
                 bn.weight.grad = bn.bias.grad = None

@@ -28,7 +28,7 @@ _NP = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
 
 
 def _case(rng, C, counts, spatial=(), dtype="float64", param_dtype=None, channels_last=False,
-          affine=True, track=True, momentum=0.1, eps=1e-5, steps=2, offset=0.0):
+          affine=True, track=True, momentum=0.1, eps=1e-5, steps=2, offset=0.0, input_grad=True):
     """Global data for one layer, rounded to the dtypes the ranks will see."""
     param_dtype = param_dtype or dtype
     n = sum(counts)
@@ -41,6 +41,7 @@ def _case(rng, C, counts, spatial=(), dtype="float64", param_dtype=None, channel
     return dict(
         C=C, counts=tuple(counts), dtype=dtype, param_dtype=param_dtype,
         channels_last=channels_last, affine=affine, track=track, momentum=momentum, eps=eps,
+        input_grad=input_grad,
         weight=rng.uniform(0.5, 1.5, C).astype(_NP[param_dtype]),
         bias=rng.standard_normal(C).astype(_NP[param_dtype]),
         X=[rounded(shift + spread * rng.standard_normal((n, C) + spatial), dtype)
@@ -54,7 +55,7 @@ def _world3_cases():
     return [
         _case(rng, 4, (5, 3, 0), (3, 2)),                        # uneven, one empty rank
         _case(rng, 3, (2, 4, 3), (2, 3), channels_last=True),
-        _case(rng, 5, (4, 1, 2)),                                # 2-D (N, C), one single row
+        _case(rng, 5, (4, 1, 2), input_grad=False),              # 2-D, one row, no grad_input
         _case(rng, 3, (3, 0, 3), (4,), affine=False, track=False),
         _case(rng, 4, (3, 2, 4), (2, 2), dtype="float32", channels_last=True, momentum=None,
               steps=3),
@@ -69,6 +70,7 @@ def _world2_cases():
     rng = np.random.default_rng(2)
     return [
         _case(rng, 3, (3, 5), (2, 2, 2)),                        # 5-D (N, C, D, H, W)
+        _case(rng, 2, (4, 2), (3, 2, 2), channels_last=True),    # channels_last_3d
         _case(rng, 6, (7, 0), dtype="float32"),                   # 2-D, one empty rank
     ]
 
@@ -130,8 +132,11 @@ def _check_cases(cases, per_rank):
                 where = f"{name} step {s} rank {r}"
                 assert got["y"].dtype == _NP[case["dtype"]], where
                 _close(got["y"], y[lo:hi], what=f"{where} output")
-                _close(got["grad_input"], dx[lo:hi], what=f"{where} grad_input",
-                             scale=gi_scale)
+                if case["input_grad"]:
+                    _close(got["grad_input"], dx[lo:hi], what=f"{where} grad_input",
+                           scale=gi_scale)
+                else:
+                    assert got["grad_input"] is None, where
                 if case["channels_last"]:
                     assert got["y_channels_last"] and got["gi_channels_last"], where
                 if case["affine"]:
@@ -173,7 +178,7 @@ def test_world3_data_far_from_zero_equals_single_process_bn(groups):
     _check_cases([case], [{"cases": r["cases"][k:]} for r in results])
 
 
-def test_world2_5d_and_empty_rank_equal_single_process_bn(groups):
+def test_world2_5d_channels_last_3d_and_empty_rank_equal_single_process_bn(groups):
     _check_cases(_world2_cases(), [r[0] for r in groups["w2"](GROUP_TIMEOUT_S)])
 
 
@@ -297,6 +302,16 @@ def test_convert_sync_batchnorm_replaces_every_batchnorm_and_shares_state():
     assert converted[4].bias is None and converted[4].weight is not None
     single = SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm2d(7))
     assert type(single) is SyncBatchNorm and single.num_features == 7
+
+
+def test_convert_sync_batchnorm_takes_bngrads_own_layers():
+    import bngrad.torch as bt
+
+    net = torch.nn.Sequential(bt.BatchNorm2d(3), torch.nn.Sequential(bt.BatchNorm1d(2, eps=0.1)))
+    converted = SyncBatchNorm.convert_sync_batchnorm(net)
+    assert type(converted[0]) is SyncBatchNorm and converted[0].weight is net[0].weight
+    assert type(converted[1][0]) is SyncBatchNorm and converted[1][0].eps == 0.1
+    assert bt.SyncBatchNorm is SyncBatchNorm
 
 
 @pytest.mark.parametrize("shape, match", [((4,), "at least 2 dimensions"),
