@@ -77,12 +77,11 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     output, _, _, new_mean, new_var = torch.ops.bngrad.batch_norm_forward(
         input, weight, bias, running_mean, running_var, bool(training), float(momentum),
         float(eps))
-    if training:
-        with torch.no_grad():  # the running statistics are state, not part of the graph
-            if running_mean is not None:
-                running_mean.copy_(new_mean)
-            if running_var is not None:
-                running_var.copy_(new_var)
+    if training:  # the running statistics are state, not part of the autograd graph
+        if running_mean is not None:
+            running_mean.copy_(new_mean)
+        if running_var is not None:
+            running_var.copy_(new_var)
     return output
 
 

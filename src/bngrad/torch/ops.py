@@ -137,7 +137,8 @@ def _(input, weight, bias, running_mean, running_var, training, momentum, eps):
 
 def _forward_setup_context(ctx, inputs, output):
     input, weight, bias, running_mean, running_var, training, momentum, eps = inputs
-    _, save_mean, save_invstd, _, _ = output
+    _, save_mean, save_invstd, new_mean, new_var = output
+    ctx.mark_non_differentiable(new_mean, new_var)
     ctx.training, ctx.eps = training, eps
     ctx.has_weight, ctx.has_bias = weight is not None, bias is not None
     # Running statistics are needed in eval mode only (in train mode they change after
