@@ -382,3 +382,12 @@ def test_golden_model_fails_vectors_of_the_other_mode(tmp_path):
     report = vectors.compare(golden, outputs)
     assert not report.passed
     assert {o.name for o in report.outputs if not o.passed} == {"dx"}
+
+
+def test_manifest_without_tolerances_exits_2(tmp_path, capsys):
+    out = write(tmp_path)
+    m = json.loads((out / "manifest.json").read_text())
+    del m["tolerances"]["dbias"]
+    (out / "manifest.json").write_text(json.dumps(m))
+    assert compare(out) == 2
+    assert "cannot read" in capsys.readouterr().err

@@ -465,7 +465,8 @@ def load_vectors(directory: PathLike) -> GoldenVectors:
             if _sha256(npz_path.read_bytes()) != m["archive_sha256"]:
                 raise UnusableInputError(f"vectors: {npz_path} does not match its sha256 in "
                                          f"{path}; it changed since it was written")
-            archive = np.load(npz_path)
+            with np.load(npz_path) as npz:
+                archive = {key: npz[key] for key in npz.files}
         arrays = {}
         for name in INPUTS + OUTPUTS:
             entry = m["arrays"][name]
@@ -482,11 +483,15 @@ def load_vectors(directory: PathLike) -> GoldenVectors:
                 raise UnusableInputError(f"{name}: data does not match its sha256 in {path}; "
                                          "the file changed since it was written")
             arrays[name] = a
+        tolerances = {name: {"atol": float(m["tolerances"][name]["atol"]),
+                             "rtol": float(m["tolerances"][name]["rtol"]),
+                             "scale": float(m["tolerances"][name].get("scale", 0.0))}
+                      for name in OUTPUTS}
         return GoldenVectors(batch=int(m["batch"]), channel=int(m["channel"]),
                              dtype=m["dtype"], param_dtype=m["param_dtype"],
                              is_train=bool(m["is_train"]), seed=int(m["seed"]),
                              distribution=m["distribution"], eps=float(m["eps"]),
-                             arrays=arrays, tolerances=m["tolerances"])
+                             arrays=arrays, tolerances=tolerances)
     except UnusableInputError:
         raise
     except (KeyError, TypeError, ValueError, OSError) as e:
