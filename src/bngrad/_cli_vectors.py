@@ -1,4 +1,4 @@
-"""`bngrad vectors`: write golden test vectors for the DSP BatchNormGrad (glue over bngrad.vectors)."""
+"""`bngrad vectors`: write golden vectors for the DSP BatchNormGrad (glue over bngrad.vectors)."""
 
 from __future__ import annotations
 

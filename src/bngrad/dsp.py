@@ -127,7 +127,8 @@ def threads_for_core_mask(core_mask: Any) -> int:
     """
     if isinstance(core_mask, (bool, np.bool_)) or not isinstance(core_mask, numbers.Integral):
         raise ArgumentTypeError(
-            f"core_mask: expected an int bit mask of cores such as 0xFF, got {_describe(core_mask)}")
+            "core_mask: expected an int bit mask of cores such as 0xFF, got "
+            f"{_describe(core_mask)}")
     if core_mask <= 0:
         raise ArgumentValueError(
             f"core_mask: expected a positive bit mask with at least one core set (e.g. 0x1, "
@@ -319,11 +320,17 @@ def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
 
 def fp_batch_norm_grad_p(x: np.ndarray, dy: np.ndarray, dx: np.ndarray,
                          params: Sequence[Any]) -> None:
-    """BatchNormGrad, float32, private storage: one core. Arguments as :func:`fp_batch_norm_grad_s`."""
+    """BatchNormGrad, float32, private storage: one core.
+
+    Arguments as :func:`fp_batch_norm_grad_s`, without ``core_mask``.
+    """
     _batch_norm_grad(x, dy, dx, params, half=False, num_threads=1)
 
 
 def hp_batch_norm_grad_p(x: np.ndarray, dy: np.ndarray, dx: np.ndarray,
                          params: Sequence[Any]) -> None:
-    """BatchNormGrad, float16, private storage: one core. Arguments as :func:`hp_batch_norm_grad_s`."""
+    """BatchNormGrad, float16, private storage: one core.
+
+    Arguments as :func:`hp_batch_norm_grad_s`, without ``core_mask``.
+    """
     _batch_norm_grad(x, dy, dx, params, half=True, num_threads=1)

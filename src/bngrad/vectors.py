@@ -1,4 +1,4 @@
-"""Golden test vectors for the DSP BatchNormGrad, and the comparison of a device's outputs with them.
+"""Golden test vectors for the DSP BatchNormGrad, and comparison of a device's outputs with them.
 
 :func:`write_vectors` draws inputs (x, dy, mean, invar, scale), computes the expected outputs
 (dx, dbias, dscale) with the float64 reference, rounds them once to the output dtype, and
@@ -419,7 +419,7 @@ def write_vectors(out_dir: PathLike, batch: int, channel: int, dtype: str = "fp3
                   train: bool = True, seed: int = 0, dist: str = "normal",
                   param_dtype: Optional[str] = None, file_format: str = "bin"
                   ) -> dict[str, Any]:
-    """:func:`generate` then :func:`save_vectors`: what ``bngrad vectors`` does. Returns the manifest."""
+    """:func:`generate` then :func:`save_vectors` (what ``bngrad vectors`` does); the manifest."""
     _choice("format", file_format, FORMATS)
     vectors = generate(batch, channel, dtype, train=train, seed=seed, dist=dist,
                        param_dtype=param_dtype)
