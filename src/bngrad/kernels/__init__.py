@@ -4,10 +4,15 @@ Inputs are canonical kernel arrays (see bngrad._layout and ``as_kernel_array``):
 ``(A, C, B)`` or channels-last ``(M, C)``, both C-contiguous. Tile sizes are functions of the
 shape only, which is what makes results identical for every thread count.
 
-Narrow channels-last arrays (C < 16, e.g. RGB images in NHWC) would leave the vector units
-idle, since the inner loop runs over C. They are viewed as ``(M // k, k*C)`` ("k rows folded
-into one"), so the inner loop runs over k*C >= 32 lanes; the k partial sums of each channel are
-then added in a fixed order, and the ``M % k`` leftover rows are handled as a small array.
+The channels-last kernels run their inner loop over a row's "lanes". Two shapes would leave
+that loop too short to vectorise, so they are re-viewed (no copy) before they reach a kernel:
+- narrow channels-last arrays (C < 16, e.g. RGB images in NHWC) are viewed as
+  ``(M // k, k*C)``: k rows folded into one, k*C >= 32 lanes; the ``M % k`` leftover rows are a
+  second, small piece;
+- channels-first arrays with short runs (B < 64, e.g. 7x7 feature maps) are viewed as
+  ``(A, C*B)``: each of the C*B lanes belongs to one channel.
+Each lane's sums are then added into its channel in lane order (a fixed order), and per-channel
+coefficients are spread over the lanes.
 """
 
 from __future__ import annotations
@@ -27,9 +32,11 @@ TILE = 1 << 14
 # Channels-last reductions handle at most this many channels per task, so that each task's
 # partial sums stay in L1 and wide tensors still split into many tasks.
 COLUMN_GROUP = 512
-# Channels-last arrays narrower than this are folded (see module docstring).
+# Channels-last arrays narrower than this are folded, and channels-first arrays with runs
+# shorter than SHORT_RUN are viewed as rows of lanes (see module docstring).
 NARROW = 16
 FOLDED_LANES = 32
+SHORT_RUN = 64
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -49,26 +56,39 @@ def _channels_last_tiles(C: int) -> tuple[int, int]:
     return max(1, TILE // max(cols, 1)), cols
 
 
-def _fold(C: int) -> int:
-    """How many channels-last rows to view as one (1: none)."""
-    return _ceil_div(FOLDED_LANES, C) if 0 < C < NARROW else 1
+def _uses_lanes(x: np.ndarray) -> bool:
+    """Whether ``x`` goes to the channels-last kernels (see module docstring)."""
+    return x.ndim == 2 or x.shape[2] < SHORT_RUN
 
 
-def _folded(arrays, fold):
-    """Split (M, C) arrays into (M // fold, fold*C) bodies and (M % fold, C) tails (views)."""
-    M, C = arrays[0].shape
+def _lane_pieces(arrays, C: int):
+    """[(2-D views of ``arrays``, channel of each lane, or None for lane == channel), ...]."""
+    first = arrays[0]
+    if first.ndim == 3:
+        A, _, B = first.shape
+        return [([a.reshape(A, C * B) for a in arrays], np.repeat(np.arange(C), B))]
+    M = first.shape[0]
+    if not 0 < C < NARROW:
+        return [(arrays, None)]
+    fold = _ceil_div(FOLDED_LANES, C)
     cut = M - M % fold
-    bodies = [None if a is None else a[:cut].reshape(M // fold, fold * C) for a in arrays]
-    tails = [None if a is None else a[cut:] for a in arrays]
-    return bodies, tails
+    pieces = [([a[:cut].reshape(M // fold, fold * C) for a in arrays],
+               np.tile(np.arange(C), fold))]
+    if cut < M:
+        pieces.append(([a[cut:] for a in arrays], None))
+    return pieces
 
 
-def _reduce_channels_last(x, dy, mean):
-    M, C = x.shape
-    rows, cols = _channels_last_tiles(C)
-    partial = np.empty((_ceil_div(M, rows), 2, C))
+def _spread(values: np.ndarray, lanes) -> np.ndarray:
+    return values if lanes is None else values[..., lanes]
+
+
+def _reduce_lanes(x, dy, mean):
+    M, L = x.shape
+    rows, cols = _channels_last_tiles(L)
+    partial = np.empty((_ceil_div(M, rows), 2, L))
     k.reduce_channels_last(x, dy, mean, rows, cols, partial)
-    sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
+    sum_dy, sum_dy_xmu = np.empty(L), np.empty(L)
     k.combine_channels_last(partial, sum_dy, sum_dy_xmu)
     return sum_dy, sum_dy_xmu
 
@@ -76,7 +96,7 @@ def _reduce_channels_last(x, dy, mean):
 def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy, sum dy*(x - mean)) per channel, float64."""
     C = x.shape[1]
-    if x.ndim == 3:
+    if not _uses_lanes(x):
         A, _, B = x.shape
         rows, seg = _channels_first_tiles(A, B)
         partial = np.empty((_ceil_div(A, rows), _ceil_div(B, seg), C, 2))
@@ -84,19 +104,16 @@ def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray,
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
         k.combine_channels_first(partial, sum_dy, sum_dy_xmu)
         return sum_dy, sum_dy_xmu
-    fold = _fold(C)
-    if fold == 1:
-        return _reduce_channels_last(x, dy, mean)
-    (bx, bdy), (tx, tdy) = _folded((x, dy), fold)
-    lanes = [s.reshape(fold, C) for s in _reduce_channels_last(bx, bdy, np.tile(mean, fold))]
-    sums = [lane[0].copy() for lane in lanes]
-    for total, lane in zip(sums, lanes):
-        for i in range(1, fold):  # fixed order: fold 0, 1, 2, ..., then the tail
-            total += lane[i]
-    if tx.shape[0]:
-        for total, tail in zip(sums, _reduce_channels_last(tx, tdy, mean)):
-            total += tail
-    return sums[0], sums[1]
+    sums = (np.zeros(C), np.zeros(C))
+    for (px, pdy), lanes in _lane_pieces((x, dy), C):
+        if px.shape[0] == 0:
+            continue
+        for total, lane_sums in zip(sums, _reduce_lanes(px, pdy, _spread(mean, lanes))):
+            if lanes is None:
+                total += lane_sums
+            else:
+                np.add.at(total, lanes, lane_sums)  # lane by lane, in lane order
+    return sums
 
 
 def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -> np.ndarray:
@@ -105,26 +122,21 @@ def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -
     return coef
 
 
-def _channels_last_pass(kernel, arrays, coef, *extra) -> None:
-    """Run an elementwise channels-last kernel, folding narrow arrays."""
-    C = coef.shape[1]
-    fold = _fold(C)
-    if fold == 1:
-        kernel(*arrays, coef, _channels_last_tiles(C)[0], *extra)
-        return
-    bodies, tails = _folded(arrays, fold)
-    kernel(*bodies, np.tile(coef, (1, fold)), _channels_last_tiles(fold * C)[0], *extra)
-    if tails[0].shape[0]:
-        kernel(*tails, coef, _channels_last_tiles(C)[0], *extra)
+def _lanes_pass(kernel, arrays, coef, *extra) -> None:
+    """Run an elementwise channels-last kernel over the lane pieces of ``arrays``."""
+    for pieces, lanes in _lane_pieces(arrays, coef.shape[1]):
+        if pieces[0].shape[0]:
+            kernel(*pieces, _spread(coef, lanes), _channels_last_tiles(pieces[0].shape[1])[0],
+                   *extra)
 
 
 def elemt(x: np.ndarray, dy: np.ndarray, out: np.ndarray, coef: np.ndarray, train: bool) -> None:
     """out = a*dy - b*(x - mean) - d (train) or a*dy (eval), per channel coefficients."""
-    if dy.ndim == 3:
+    if _uses_lanes(dy):
+        _lanes_pass(k.elemt_channels_last, (x, dy, out), coef, train)
+    else:
         A, _, B = dy.shape
         k.elemt_channels_first(x, dy, out, coef, _channels_first_tiles(A, B)[1], train)
-    else:
-        _channels_last_pass(k.elemt_channels_last, (x, dy, out), coef, train)
 
 
 def backward_train(x, dy, out, mean, invstd, weight, count, dtype):
@@ -135,7 +147,7 @@ def backward_train(x, dy, out, mean, invstd, weight, count, dtype):
     the same bits.
     """
     C = x.shape[1]
-    if x.ndim == 3 and C >= 4 * current_num_threads():
+    if not _uses_lanes(x) and C >= 4 * current_num_threads():
         A, _, B = x.shape
         rows, seg = _channels_first_tiles(A, B)
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
@@ -151,8 +163,8 @@ def backward_train(x, dy, out, mean, invstd, weight, count, dtype):
 
 def normalize(x: np.ndarray, out: np.ndarray, coef: np.ndarray) -> None:
     """out = (x - mean)*a + d per channel (the forward pass)."""
-    if x.ndim == 3:
+    if _uses_lanes(x):
+        _lanes_pass(k.normalize_channels_last, (x, out), coef)
+    else:
         A, _, B = x.shape
         k.normalize_channels_first(x, out, coef, _channels_first_tiles(A, B)[1])
-    else:
-        _channels_last_pass(k.normalize_channels_last, (x, out), coef)
