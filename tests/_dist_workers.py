@@ -298,3 +298,29 @@ def peer_dies(rank: int, world: int) -> dict:
         rec["forward"] = _error(exc)
     rec["seconds"] = time.monotonic() - t0
     return rec
+
+
+def edge_batches(rank: int, world: int) -> dict:
+    """Global batches of one value per channel (an error on every rank) and of none."""
+    import torch
+    import torch.distributed as dist
+
+    from bngrad.torch.sync import SyncBatchNorm
+
+    rec = {}
+    bn = SyncBatchNorm(3, dtype=torch.float64)
+    try:
+        bn(torch.randn(1 if rank == 0 else 0, 3, dtype=torch.float64))
+        rec["one_value"] = None
+    except Exception as exc:  # noqa: BLE001
+        rec["one_value"] = _error(exc)
+    dist.barrier()
+    bn = SyncBatchNorm(3, dtype=torch.float64)
+    x = torch.randn(0, 3, 4, dtype=torch.float64, requires_grad=True)
+    y = bn(x)
+    y.sum().backward()
+    rec["empty"] = {"y_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape),
+                    "running_mean": _arr(bn.running_mean), "running_var": _arr(bn.running_var),
+                    "grad_weight": _arr(bn.weight.grad), "grad_bias": _arr(bn.bias.grad)}
+    dist.barrier()
+    return rec

@@ -86,7 +86,8 @@ def groups():
     started = {
         "w3": workers.Group(3, "scenarios", _world3_cases()),
         "w2": workers.Group(2, "jobs", [("scenarios", (_world2_cases(),)),
-                                        ("ddp_cnn", (_ddp_batches(),))]),
+                                        ("ddp_cnn", (_ddp_batches(),)),
+                                        ("edge_batches", ())]),
         "hang": workers.Group(2, "channel_mismatch_then_hang"),
         "dies": workers.Group(2, "peer_dies"),
     }
@@ -205,6 +206,19 @@ def test_ddp_cnn_two_ranks_equals_full_batch_training(groups):
         for key, value in expected.items():
             assert_close(res["state"][key], value.numpy(), dtype=np.float64,
                          what=f"rank {r} {key} after 5 DDP steps", factor=100)
+
+
+def test_global_batch_of_one_value_raises_on_every_rank_and_of_none_is_empty(groups):
+    for r, res in enumerate(groups["w2"](GROUP_TIMEOUT_S)):
+        err = res[2]["one_value"]
+        assert err is not None and "ValueError" in err["mro"], f"rank {r}: {err}"
+        assert "more than 1 value per channel" in err["message"]
+        empty = res[2]["empty"]
+        assert empty["y_shape"] == empty["grad_shape"] == (0, 3, 4)
+        assert_bitwise_equal(empty["running_mean"], np.zeros(3))  # untouched, as torch
+        assert_bitwise_equal(empty["running_var"], np.ones(3))
+        assert_bitwise_equal(empty["grad_weight"], np.zeros(3))
+        assert_bitwise_equal(empty["grad_bias"], np.zeros(3))
 
 
 def test_ranks_with_different_channel_counts_get_a_clear_error(groups):
