@@ -177,6 +177,11 @@ def _fmt(value, pattern):
 def _notes(result) -> List[str]:
     cases, s = result.cases, result.summary()
     notes = []
+    load = result.machine.get("load_average_1min")
+    if load is not None and load > 0.5:
+        notes.append(f"[yellow]Other processes were busy (load average {load:.1f} on "
+                     f"{result.machine['cores']} cores at the start): the figures are noisy; "
+                     "rerun on an idle machine to trust small differences.[/yellow]")
     skipped = {}
     for c in cases:
         for name, why in c.skipped.items():
@@ -211,9 +216,11 @@ def _notes(result) -> List[str]:
         notes.append(f"Largest |bngrad - PyTorch| / max|PyTorch| over grad_input: "
                      f"{s['max_rel_diff_vs_torch']:.1e}.")
     if s["deterministic_across_threads"] is not None:
-        notes.append("Bitwise identical on 1 and "
-                     f"{result.options.threads} threads: "
-                     f"{'yes, every case' if s['deterministic_across_threads'] else '[red]NO[/red]'}.")
+        differ = [c.case.label for c in cases if c.deterministic_across_threads is False]
+        verdict = ("yes, every case" if not differ
+                   else "[red]NO[/red] for " + "; ".join(differ))
+        notes.append(f"Bitwise identical results on 1 and {result.options.threads} threads: "
+                     f"{verdict}.")
     if result.startup:
         cold, warm = result.startup["cold"], result.startup["warm"]
         first = result.startup["calls"][0]
@@ -232,6 +239,7 @@ def write_plot(result, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     cases = result.cases
     labels = [c.case.label for c in cases]
@@ -240,18 +248,30 @@ def write_plot(result, path: str) -> None:
                                       figsize=(12, 1.2 + 0.32 * len(cases)))
     speedups = [c.speedup_vs_torch for c in cases]
     if any(v is not None for v in speedups):
-        left.barh(y, [v or 0 for v in speedups],
+        # log scale: 0.5x and 2x are equally far from parity
+        known = [v for v in speedups if v is not None]
+        left.barh(y, [float("nan") if v is None else v - 1.0 for v in speedups], left=1.0,
                   color=["tab:red" if v is not None and v < 1 else "tab:green"
                          for v in speedups])
-        left.axvline(1.0, color="black", lw=1)
+        left.set_xscale("log")
+        lo, hi = min(0.5, min(known) / 1.3), max(2.0, max(known) * 1.6)
+        left.set_xlim(lo, hi)
+        left.set_xticks([t for t in (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100) if lo <= t <= hi])
+        left.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        left.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        _annotate(left, y, speedups)
     else:
         left.text(0.5, 0.5, "PyTorch not installed", ha="center", va="center",
                   transform=left.transAxes)
-    left.set_xlabel("speedup vs PyTorch (x, higher is better)")
+    left.axvline(1.0, color="black", lw=1)
+    left.set_xlabel("speedup vs PyTorch (log scale, higher is better)")
     ratios = [c.ratio_to_floor for c in cases]
-    right.barh(y, [v or 0 for v in ratios], color="tab:blue")
+    right.barh(y, [float("nan") if v is None else v for v in ratios], color="tab:blue")
+    right.set_xlim(0, max([2.0] + [v * 1.15 for v in ratios if v is not None]))
+    _annotate(right, y, ratios)
     right.axvline(1.0, color="black", lw=1)
     right.set_xlabel("bngrad time / floor time (lower is better, 1 = memory floor)")
+    left.set_ylim(-0.7, len(cases) - 0.3)
     left.set_yticks(y)
     left.set_yticklabels(labels, fontsize=8)
     m = result.machine
@@ -260,6 +280,12 @@ def write_plot(result, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _annotate(axes, y, values) -> None:
+    for yi, v in zip(y, values):
+        if v is not None:
+            axes.text(v, yi, f" {v:.2f}x", va="center", fontsize=7)
 
 
 if __name__ == "__main__":  # pragma: no cover

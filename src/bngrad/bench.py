@@ -10,8 +10,10 @@ the same thread count for every contender:
   (single-threaded and slow: only timed up to a size cap);
 - **floor**: one fused parallel elementwise pass ``dx = a[c]*dy + b[c]*x`` over arrays of the
   same shape, dtype and thread count, in the input's memory layout, allocating its output like
-  every other contender does. No batch-norm backward can beat it: it must read x and dy and
-  write dx too (see DESIGN.md, "Performance model").
+  every other contender does. No batch-norm backward that returns a new grad_input can beat
+  it: it must read x and dy and write dx too (see DESIGN.md, "Performance model");
+- **floor_in_place**: the same pass into one output allocated up front, so the difference to
+  ``floor`` is what fresh memory costs (page faults, the kernel zeroing pages).
 
 Contenders are interleaved within each repeat (and their order rotated) so that the machine's
 noise falls on all of them alike; figures are medians. Nothing here prints: ``bngrad._cli_bench``
@@ -583,6 +585,7 @@ class Options:
     scaling: bool = False
     memory: bool = True
     min_sample_s: float = 0.01
+    gap_s: float = 0.002
     seed: int = 0
 
 
@@ -695,6 +698,8 @@ def run_case(case: Case, opts: Options,
         for name in names[k:] + names[:k]:  # rotate: nobody always follows the same contender
             if name == "reference" and len(samples[name]) >= opts.reference_repeat:
                 continue
+            # let the previous contender's spinning pool threads (OpenMP, TBB) fall asleep
+            time.sleep(opts.gap_s)
             samples[name].append(_time(fns[name], numbers[name]))
     result.timings = {n: Timing(s, numbers[n]) for n, s in samples.items() if s}
 
@@ -773,6 +778,7 @@ class SuiteResult:
             "options": {"threads": opts.threads, "repeat": opts.repeat,
                         "reference_cap": opts.reference_cap, "scaling": opts.scaling,
                         "memory": opts.memory, "min_sample_s": opts.min_sample_s,
+                        "gap_s": opts.gap_s,
                         "seed": opts.seed},
             "contenders": {k: v[1] for k, v in CONTENDERS.items()},
             "summary": self.summary(),
@@ -830,13 +836,14 @@ def run_suite(suite: str, cases: Sequence[Case], opts: Options,
     if opts.repeat < 1:
         raise ArgumentValueError(f"--repeat must be at least 1, got {opts.repeat}")
     report = on_progress or (lambda done, text: None)
+    machine = machine_info(opts.threads)  # before we load the machine ourselves
     results = []
     with _TorchThreads(opts.threads):
         for i, case in enumerate(cases):
             def on_step(fraction, what, i=i, case=case):
                 report(i + fraction, f"{case.label}: {what}")
             results.append(run_case(case, opts, on_step))
-    return SuiteResult(suite, opts, machine_info(opts.threads), results)
+    return SuiteResult(suite, opts, machine, results)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -869,6 +876,8 @@ def machine_info(threads: int) -> dict:
         "python": platform.python_version(), "bngrad": bngrad.__version__,
         "numpy": np.__version__, "numba": numba.__version__, "torch": torch_version,
         "threading_layer": threading_layer(),
+        # other processes' load at the start: the figures are noisy when it is high
+        "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
