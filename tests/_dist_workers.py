@@ -322,5 +322,18 @@ def edge_batches(rank: int, world: int) -> dict:
     rec["empty"] = {"y_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape),
                     "running_mean": _arr(bn.running_mean), "running_var": _arr(bn.running_var),
                     "grad_weight": _arr(bn.weight.grad), "grad_bias": _arr(bn.bias.grad)}
+    # torch's BatchNorm(bias=False): a weight but no bias
+    bn = SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3, bias=False).double())
+    x = bias_free_input(rank).requires_grad_(True)
+    y = bn(x)
+    y.backward(torch.ones_like(y) + x.detach())
+    rec["bias_free"] = {"y": _arr(y), "grad_input": _arr(x.grad),
+                        "grad_weight": _arr(bn.weight.grad), "bias": bn.bias}
     dist.barrier()
     return rec
+
+
+def bias_free_input(rank: int) -> Any:
+    import torch
+    return torch.randn(4 + rank, 3, dtype=torch.float64,
+                       generator=torch.Generator().manual_seed(100 + rank))

@@ -221,6 +221,20 @@ def test_global_batch_of_one_value_raises_on_every_rank_and_of_none_is_empty(gro
         assert_bitwise_equal(empty["grad_bias"], np.zeros(3))
 
 
+def test_layer_with_weight_but_no_bias(groups):
+    results = groups["w2"](GROUP_TIMEOUT_S)
+    X = np.concatenate([workers.bias_free_input(r).numpy() for r in range(2)])
+    G = np.ones_like(X) + X
+    y, mean, invstd, _, _ = ref.batch_norm_forward(X, np.ones(3))
+    dx, _, _ = ref.batch_norm_backward(G, X, np.ones(3), None, None, mean, invstd)
+    bounds = (0, 4, 9)
+    for r, res in enumerate(results):
+        got, sl = res[2]["bias_free"], slice(bounds[r], bounds[r + 1])
+        assert got["bias"] is None and got["grad_weight"] is not None
+        _close(got["y"], y[sl], what=f"rank {r} output")
+        _close(got["grad_input"], dx[sl], what=f"rank {r} grad_input")
+
+
 def test_ranks_with_different_channel_counts_get_a_clear_error(groups):
     for r, res in enumerate(groups["hang"](GROUP_TIMEOUT_S)):
         err = res["mismatch"]

@@ -144,12 +144,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             out, _, _ = _api.batch_norm_forward(
                 x, to_numpy_optional(weight, "weight"), to_numpy_optional(bias, "bias"),
                 mean_s, gvar.astype(stat_dtype), train=False, eps=eps, channel_axis=1)
-            output = from_numpy(out).to(input.dtype)
+            output = from_numpy(out)
         else:
             output = torch.empty_like(input)
 
         ctx.save_for_backward(input, weight, torch.from_numpy(mean_s), torch.from_numpy(invstd_s))
-        ctx.total, ctx.group, ctx.world, ctx.layer = total, group, world, layer
+        ctx.total, ctx.group, ctx.layer = total, group, layer
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return output
 
     @staticmethod
@@ -158,7 +159,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         input, weight, mean, invstd = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]
         need_weight = need_weight and weight is not None
-        need_bias = need_bias and weight is not None
+        need_bias = need_bias and ctx.bias_dtype is not None
         n_channels = input.shape[1]
         x, dy = to_numpy(input, "input"), to_numpy(grad_output, "grad_output")
         w, mean_np, invstd_np = to_numpy_optional(weight, "weight"), mean.numpy(), invstd.numpy()
@@ -171,14 +172,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             if need_weight:
                 grad_weight = from_numpy(np.asarray(gw)).to(weight.dtype)
             if need_bias:
-                grad_bias = from_numpy(np.asarray(gb)).to(weight.dtype)
+                grad_bias = from_numpy(np.asarray(gb)).to(ctx.bias_dtype)
         else:
             sum_dy = sum_dy_xmu = np.zeros(n_channels)
             # Explicit zeros rather than None: DDP then sees a gradient for every parameter.
             if need_weight:
                 grad_weight = torch.zeros_like(weight)
             if need_bias:
-                grad_bias = torch.zeros_like(weight)
+                grad_bias = torch.zeros(n_channels, dtype=ctx.bias_dtype)
 
         if need_input:  # same decision on every rank (same model), so all join the all_reduce
             sums = torch.from_numpy(np.stack([np.asarray(sum_dy, dtype=np.float64),
