@@ -215,3 +215,10 @@ def test_cli_startup_times_cold_and_warm_first_calls(tiny_suite, tmp_path, monke
     cold, warm = startup["cold"], startup["warm"]
     assert 0 < warm["first_call_s"][first] < cold["first_call_s"][first]
     assert 0 < warm["import_s"] and warm["process_s"] >= warm["import_s"]
+
+
+@pytest.mark.parametrize("module, argv", [("rich", []), ("matplotlib", ["--plot", "x.png"])])
+def test_cli_without_the_bench_extra_says_how_to_install_it(module, argv, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, module, None)
+    assert cli.main(["bench", "--suite", "quick", *argv]) == 2
+    assert "pip install 'bngrad[bench]'" in capsys.readouterr().err

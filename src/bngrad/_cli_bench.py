@@ -48,7 +48,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
 
 
+def _missing_extra(module: str) -> Optional[str]:
+    try:
+        __import__(module)
+    except ImportError:
+        return (f"bngrad bench: {module} is not installed; install the benchmark extra with: "
+                "pip install 'bngrad[bench]'")
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
+    for module in ["rich"] + (["matplotlib"] if args.plot else []):
+        message = _missing_extra(module)
+        if message:  # before running for minutes, not after
+            print(message, file=sys.stderr)
+            return 2
     from rich.console import Console
 
     from . import bench
