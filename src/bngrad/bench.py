@@ -511,7 +511,7 @@ def _time(fn: Callable[[], Any], number: int) -> float:
 
 
 def _calibrate(fn: Callable[[], Any], min_sample_s: float) -> int:
-    """Calls per sample so that a sample lasts about ``min_sample_s`` (after two warm-ups)."""
+    """Calls per sample so that a sample lasts about ``min_sample_s``, from a second call."""
     fn()  # compiles, faults pages in
     t = _time(fn, 1)
     return int(min(100, max(1, math.ceil(min_sample_s / max(t, 1e-9)))))
@@ -787,9 +787,20 @@ class SuiteResult:
         }
 
     def write_json(self, path: str) -> None:
+        """Write :meth:`to_json` as strict JSON (a NaN or infinity becomes null)."""
         with open(path, "w") as f:
-            json.dump(self.to_json(), f, indent=1)
+            json.dump(_finite(self.to_json()), f, indent=1, allow_nan=False)
             f.write("\n")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 class _TorchThreads:
