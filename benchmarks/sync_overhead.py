@@ -7,6 +7,8 @@ per layer shape, times one training step (forward + backward) of
 - ``sync``: bngrad.torch.SyncBatchNorm over all ranks;
 - ``comm``: the two collectives of a sync step alone (all_gather of 2C+1 float64,
   all_reduce of 2C float64), on the same process group;
+- ``compute``: the sync step's own arithmetic, its autograd function run on a group of this
+  rank alone (collectives of one rank: next to free);
 - ``torch``: torch.nn.BatchNorm*d, local, for scale.
 
 All variants run interleaved in the same processes, after a barrier, and are reported as
@@ -54,6 +56,9 @@ def _rank(rank: int, world: int, port: int, threads: int, repeat: int, queue) ->
         sent["calls"] += 1
         return real_reduce(tensor, *a, **k)
 
+    from bngrad.torch.sync import _SyncBatchNormFunction
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]
     rows = []
     for shape in SHAPES:
         C = shape[1]
@@ -77,8 +82,15 @@ def _rank(rank: int, world: int, port: int, threads: int, repeat: int, queue) ->
         def step(layer):
             return lambda: layer(x).backward(g)
 
+        solo = layers["sync"]
+
+        def compute() -> None:
+            _SyncBatchNormFunction.apply(x, solo.weight, solo.bias, solo.running_mean,
+                                         solo.running_var, solo.eps, 0.1, alone, 1,
+                                         "compute").backward(g)
+
         variants = {"local": step(layers["local"]), "sync": step(layers["sync"]),
-                    "comm": comm, "torch": step(layers["torch"])}
+                    "comm": comm, "compute": compute, "torch": step(layers["torch"])}
         for fn in variants.values():  # warm-up: JIT, the one-off channel check, caches
             for _ in range(3):
                 fn()
@@ -126,14 +138,15 @@ def main() -> None:
     print(f"world {args.world}, {args.threads} thread(s) per rank, gloo on 127.0.0.1, float32, "
           f"median of {args.repeat} steps (forward + backward) on rank 0")
     print(f"{'local shape':>18} {'bytes/rank/step':>16} {'calls':>5} {'local ms':>9} "
-          f"{'sync ms':>8} {'sync/local':>10} {'comm ms':>8} {'comm/local':>10} "
+          f"{'sync ms':>8} {'sync/local':>10} {'compute/local':>13} {'comm/local':>10} "
           f"{'torch/local':>11}")
     for row in results[0]:
         m = {k: v * 1e3 for k, v in row["median_s"].items()}
         vol = row["volume"]
         print(f"{str(row['shape']):>18} {vol['all_gather'] + vol['all_reduce']:>16} "
               f"{vol['calls']:>5} {m['local']:>9.3f} {m['sync']:>8.3f} "
-              f"{m['sync'] / m['local']:>10.2f} {m['comm']:>8.3f} {m['comm'] / m['local']:>10.2f} "
+              f"{m['sync'] / m['local']:>10.2f} {m['compute'] / m['local']:>13.2f} "
+              f"{m['comm'] / m['local']:>10.2f} "
               f"{m['torch'] / m['local']:>11.2f}")
         expected = 8 * ((2 * row["C"] + 1) + 2 * row["C"])
         assert vol["all_gather"] + vol["all_reduce"] == expected, (vol, expected)
