@@ -19,7 +19,7 @@ import bngrad
 from bngrad import reference
 from conftest import (BF16, DTYPE_VARIANT, DTYPE_VARIANTS, F16, F32, F64, HALF, LAYOUT_PAIRS,
                       MASKS, MODES, SHAPES, Case, channel_axes, check_backward, make_case,
-                      mask_id, quantize, to_layout, torch_backward)
+                      mask_id, torch_backward)
 from tolerances import assert_close, assert_dtype
 
 WEIGHT_MASKS = list(itertools.product((True, False), MASKS))

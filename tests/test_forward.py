@@ -17,7 +17,7 @@ import pytest
 import bngrad
 from bngrad import reference
 from conftest import (BF16, DTYPE_VARIANT, DTYPE_VARIANTS, F16, F32, F64, HALF, LAYOUTS, SHAPES,
-                      channel_axes, dense_in_order, from_torch, is_dense, make_data,
+                      channel_axes, from_torch, is_dense, make_data,
                       memory_order, quantize, to_layout, to_torch)
 from tolerances import assert_close, assert_dtype
 

@@ -9,14 +9,13 @@ standard.
 from __future__ import annotations
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import bngrad
 from bngrad import reference
 from conftest import (DTYPE_VARIANTS, LAYOUTS, MASKS, MODES, check_backward, make_case,
-                      quantize, to_layout)
+                      quantize)
 from tolerances import assert_close, backward_scales
 
 SETTINGS = settings(max_examples=150, deadline=None, print_blob=True,

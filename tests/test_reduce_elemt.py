@@ -16,7 +16,7 @@ import pytest
 
 import bngrad
 from bngrad import reference
-from conftest import (DTYPE_VARIANT, DTYPE_VARIANTS, F32, HALF, LAYOUT_PAIRS, SHAPES,
+from conftest import (DTYPE_VARIANTS, F32, HALF, LAYOUT_PAIRS, SHAPES,
                       assert_output_layout, make_case, mask_id)
 from tolerances import assert_close, assert_dtype, backward_scales
 

@@ -25,7 +25,7 @@ NaN must be NaN in the same places, and infinities must match exactly.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import ml_dtypes
 import numpy as np
