@@ -156,6 +156,7 @@ def _table(result):
         table.add_column(name, justify="right")
     if scaling:
         table.add_column(f"1->{result.options.threads} thr", justify="right")
+        table.add_column("cores busy", justify="right")
     if memory:
         table.add_column("extra MiB", justify="right")
     for c in cases:
@@ -166,7 +167,8 @@ def _table(result):
                _ms(c.median("floor")), _x(speedup), _x(c.ratio_to_floor),
                "-" if c.gbps() is None else f"{c.gbps():.1f}"]
         if scaling:
-            row.append(_x(c.scaling))
+            busy = c.timings["bngrad"].cores_busy if "bngrad" in c.timings else None
+            row += [_x(c.scaling), _fmt(busy, "{:.2f}")]
         if memory:
             extra = c.extra_memory.get("bngrad", {}).get("rss_extra")
             row.append("-" if extra is None else f"{extra / _MIB:.2f}")
@@ -177,7 +179,7 @@ def _table(result):
            _x(_geomean(c.ratio_to_floor for c in cases)),
            _fmt(_geomean(c.gbps() for c in cases), "{:.1f}")]
     if scaling:
-        row.append(_x(_geomean(c.scaling for c in cases)))
+        row += [_x(_geomean(c.scaling for c in cases)), ""]
     if memory:
         row.append("")
     table.add_row(*row, style="bold")

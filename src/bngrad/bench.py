@@ -478,6 +478,7 @@ class Timing:
 
     samples: List[float]
     number: int
+    cpu_samples: List[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -496,18 +497,31 @@ class Timing:
         """Interquartile range relative to the median."""
         return (self.q3 - self.q1) / self.median if self.median > 0 else 0.0
 
+    @property
+    def cores_busy(self) -> Optional[float]:
+        """Process CPU time / wall time while timed: how many cores the calls kept busy."""
+        if not self.cpu_samples:
+            return None
+        return sum(self.cpu_samples) / sum(self.samples)
+
     def to_json(self) -> dict:
-        return {"median_ms": self.median * 1e3, "q1_ms": self.q1 * 1e3, "q3_ms": self.q3 * 1e3,
+        return {"median_ms": self.median * 1e3, "cores_busy": self.cores_busy, "q1_ms": self.q1 * 1e3, "q3_ms": self.q3 * 1e3,
                 "min_ms": min(self.samples) * 1e3, "max_ms": max(self.samples) * 1e3,
                 "spread": self.spread, "number": self.number,
                 "samples_ms": [s * 1e3 for s in self.samples]}
 
 
 def _time(fn: Callable[[], Any], number: int) -> float:
-    t0 = time.perf_counter()
+    return _time_cpu(fn, number)[0]
+
+
+def _time_cpu(fn: Callable[[], Any], number: int) -> Tuple[float, float]:
+    """(wall seconds, process CPU seconds of all threads) per call."""
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(number):
         fn()
-    return (time.perf_counter() - t0) / number
+    t1, c1 = time.perf_counter(), time.process_time()
+    return (t1 - t0) / number, (c1 - c0) / number
 
 
 def _calibrate(fn: Callable[[], Any], min_sample_s: float) -> int:
@@ -691,6 +705,7 @@ def run_case(case: Case, opts: Options,
         del one, many
 
     samples: Dict[str, List[float]] = {name: [] for name in fns}
+    cpu: Dict[str, List[float]] = {name: [] for name in fns}
     names = list(fns)
     for r in range(opts.repeat):
         step(0.15 + 0.75 * r / opts.repeat, f"repeat {r + 1}/{opts.repeat}")
@@ -700,8 +715,10 @@ def run_case(case: Case, opts: Options,
                 continue
             # let the previous contender's spinning pool threads (OpenMP, TBB) fall asleep
             time.sleep(opts.gap_s)
-            samples[name].append(_time(fns[name], numbers[name]))
-    result.timings = {n: Timing(s, numbers[n]) for n, s in samples.items() if s}
+            wall, cpu_s = _time_cpu(fns[name], numbers[name])
+            samples[name].append(wall)
+            cpu[name].append(cpu_s)
+    result.timings = {n: Timing(s, numbers[n], cpu[n]) for n, s in samples.items() if s}
 
     if opts.memory:
         step(0.92, "measuring memory")
