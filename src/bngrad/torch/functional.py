@@ -69,7 +69,8 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
         raise TypeError(f"batch_norm(): argument 'input' must be Tensor, not "
                         f"{type(input).__name__}")
     if not is_supported_device(input):
-        _fallback_warning(input.device)
+        if input.device.type != "meta":  # meta tensors carry no data: nothing to warn about
+            _fallback_warning(input.device)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
     if training:
