@@ -183,7 +183,8 @@ def backward_scales(grad_out: Any, input: Any, weight: Any, mean: Any, invstd: A
         gi = (dyiw.max() if dyiw.size else 0.0) * (1.0 + (xhat.max() if xhat.size else 0.0))
     return {
         "grad_input": np.asarray(gi),
-        "grad_weight": sum_abs_dy_xmu * np.abs(invstd),
+        # a sum of no terms has scale 0, whatever the (then undefined, NaN) statistics
+        "grad_weight": np.where(sum_abs_dy_xmu == 0, 0.0, sum_abs_dy_xmu * np.abs(invstd)),
         "grad_bias": sum_abs_dy,
         "sum_dy": sum_abs_dy,
         "sum_dy_xmu": sum_abs_dy_xmu,

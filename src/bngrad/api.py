@@ -34,14 +34,15 @@ def _f64(a: Optional[Array], n_channels: int, fill: float) -> Array:
 def _moments(x: Array, n_channels: int, count: int) -> tuple[Array, Array]:
     """Per-channel mean and biased variance of a canonical kernel array, float64.
 
-    Two passes over the data: the mean, then sum x*(x - mean) corrected by
-    mean*(sum x - count*mean), which equals sum (x - mean)**2 without E[x^2]-E[x]^2's
-    cancellation.
+    Two passes (the corrected two-pass algorithm): the mean, then sum (x - mean) and
+    sum (x - mean)**2, the first of which removes the mean's own rounding error. No
+    E[x^2] - E[x]^2 cancellation, however far the data sits from zero.
     """
-    sum_x, _ = kernels.reduce(x, x, np.zeros(n_channels))
+    zeros = np.zeros(n_channels)
+    sum_x, _ = kernels.reduce(x, x, zeros, zeros)
     mean = sum_x / count
-    _, sum_x_xmu = kernels.reduce(x, x, mean)
-    m2 = sum_x_xmu - mean * (sum_x - count * mean)
+    sum_xmu, sum_xmu2 = kernels.reduce(x, x, mean, mean)
+    m2 = sum_xmu2 - sum_xmu * sum_xmu / count
     return mean, np.maximum(m2, 0.0) / count
 
 
@@ -71,7 +72,7 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     Returns
     -------
     mean, var : ndarray of shape (C,), float64
-        Zeros for channels with no elements.
+        NaN for channels with no elements.
     """
     input = check.data_array("input", input)
     axis = check.channel_axis(channel_axis, input.ndim)
@@ -79,7 +80,7 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     n_channels = input.shape[axis]
     count = input.size // n_channels if n_channels else 0
     if count == 0:
-        return np.zeros(n_channels), np.zeros(n_channels)
+        return np.full(n_channels, np.nan), np.full(n_channels, np.nan)
     with parallel_region(threads):
         return _moments(plan(input, None, axis).x, n_channels, count)
 
@@ -138,7 +139,7 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     stat_dtype = check.FLOAT32 if check.is_half(input.dtype) else input.dtype
     count = input.size // n_channels if n_channels else 0
 
-    with parallel_region(threads):
+    with parallel_region(threads), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
         layout = plan(input, None, axis)
         if train:
             if count == 0:

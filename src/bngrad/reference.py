@@ -46,12 +46,12 @@ def _reduce_axes(ndim):
 
 
 def batch_norm_moments(input, *, channel_axis=1):
-    """Per-channel mean and biased variance, two-pass, in float64."""
+    """Per-channel mean and biased variance, two-pass, in float64 (NaN for empty channels)."""
     x = _channels_last(input, channel_axis)
     axes = _reduce_axes(x.ndim)
     count = x.size // x.shape[-1] if x.shape[-1] else 0
     if count == 0:
-        return np.zeros(x.shape[-1]), np.zeros(x.shape[-1])
+        return np.full(x.shape[-1], np.nan), np.full(x.shape[-1], np.nan)
     mean = x.sum(axis=axes) / count
     var = ((x - mean) ** 2).sum(axis=axes) / count
     return mean, var
@@ -104,6 +104,8 @@ def batch_norm_backward(grad_out, input, weight=None, running_mean=None, running
     count = x.size // n_channels if n_channels else 0
     mean, invstd = _stats(input, running_mean, running_var, save_mean, save_invstd,
                           train, eps, channel_axis)
+    if count == 0:  # no elements: zero gradients, whatever the (undefined) statistics
+        mean = invstd = np.zeros(n_channels)
     sum_dy, sum_dy_xmu, grad_weight, grad_bias = batch_norm_backward_reduce(
         grad_out, input, mean, invstd, weight, True, output_mask[1], output_mask[2],
         channel_axis=channel_axis)
@@ -127,7 +129,8 @@ def batch_norm_forward(input, weight=None, bias=None, running_mean=None, running
     """What ``torch.ops.aten.native_batch_norm`` computes, in float64.
 
     Returns (output, save_mean, save_invstd, new_running_mean, new_running_var); the last two
-    are None when running stats were not given or in eval mode. Unlike the public API, nothing
+    are None when running stats were not given or in eval mode. An empty batch gives NaN
+    statistics and leaves the running statistics as they were. Unlike the public API, nothing
     is updated in place: the oracle has no side effects.
     """
     x = _channels_last(input, channel_axis)
@@ -139,11 +142,17 @@ def batch_norm_forward(input, weight=None, bias=None, running_mean=None, running
         mean, var = batch_norm_moments(input, channel_axis=channel_axis)
         invstd = 1.0 / np.sqrt(var + eps)
         count = x.size // n_channels if n_channels else 0
+        # An empty batch leaves the running statistics as they were.
         if running_mean is not None:
-            new_rm = (1 - momentum) * _f64(running_mean) + momentum * mean
+            new_rm = _f64(running_mean)
+            if count > 0:
+                new_rm = (1 - momentum) * new_rm + momentum * mean
         if running_var is not None:
-            unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.nan)
-            new_rv = (1 - momentum) * _f64(running_var) + momentum * unbiased
+            new_rv = _f64(running_var)
+            if count > 0:
+                # count 1: 0/0, NaN, as in PyTorch
+                unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.nan)
+                new_rv = (1 - momentum) * new_rv + momentum * unbiased
         save_mean, save_invstd = mean, invstd
     else:
         mean = _f64(running_mean)

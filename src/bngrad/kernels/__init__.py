@@ -83,24 +83,30 @@ def _spread(values: np.ndarray, lanes) -> np.ndarray:
     return values if lanes is None else values[..., lanes]
 
 
-def _reduce_lanes(x, dy, mean):
+def _reduce_lanes(x, dy, mean, shift):
     M, L = x.shape
     rows, cols = _channels_last_tiles(L)
     partial = np.empty((_ceil_div(M, rows), 2, L))
-    k.reduce_channels_last(x, dy, mean, rows, cols, partial)
+    k.reduce_channels_last(x, dy, mean, shift, rows, cols, partial)
     sum_dy, sum_dy_xmu = np.empty(L), np.empty(L)
     k.combine_channels_last(partial, sum_dy, sum_dy_xmu)
     return sum_dy, sum_dy_xmu
 
 
-def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(sum dy, sum dy*(x - mean)) per channel, float64."""
+def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, shift: np.ndarray | None = None
+           ) -> tuple[np.ndarray, np.ndarray]:
+    """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (default 0).
+
+    With dy = x and shift = mean this gives sum(x - mean) and sum((x - mean)**2): the
+    second pass of the variance.
+    """
     C = x.shape[1]
+    shift = np.zeros(C) if shift is None else shift
     if not _uses_lanes(x):
         A, _, B = x.shape
         rows, seg = _channels_first_tiles(A, B)
         partial = np.empty((_ceil_div(A, rows), _ceil_div(B, seg), C, 2))
-        k.reduce_channels_first(x, dy, mean, rows, seg, partial)
+        k.reduce_channels_first(x, dy, mean, shift, rows, seg, partial)
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
         k.combine_channels_first(partial, sum_dy, sum_dy_xmu)
         return sum_dy, sum_dy_xmu
@@ -108,7 +114,8 @@ def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray) -> tuple[np.ndarray,
     for (px, pdy), lanes in _lane_pieces((x, dy), C):
         if px.shape[0] == 0:
             continue
-        for total, lane_sums in zip(sums, _reduce_lanes(px, pdy, _spread(mean, lanes))):
+        lane_sums = _reduce_lanes(px, pdy, _spread(mean, lanes), _spread(shift, lanes))
+        for total, lane_sums in zip(sums, lane_sums):
             if lanes is None:
                 total += lane_sums
             else:

@@ -33,25 +33,25 @@ _JIT = dict(cache=True, nogil=True)
 # The vector order is fixed in the compiled code and the runs are fixed by the data, so the
 # result still does not depend on the thread count.
 @njit(fastmath={"reassoc"}, **_JIT)
-def _run_sums(xr, dr, m, b0, b1):
-    """(sum dy, sum dy*(x - m)) over xr[b0:b1], dr[b0:b1], in float64."""
+def _run_sums(xr, dr, m, shift, b0, b1):
+    """(sum (dy - shift), sum (dy - shift)*(x - m)) over xr[b0:b1], dr[b0:b1], in float64."""
     # Slicing first gives LLVM indices that start at 0 and are non-negative, so it vectorises.
     xr, dr = xr[b0:b1], dr[b0:b1]
     sum_dy = 0.0
     sum_dy_xmu = 0.0
     for i in range(dr.shape[0]):
-        d = np.float64(to_float(dr[i]))
+        d = np.float64(to_float(dr[i])) - shift
         sum_dy += d
         sum_dy_xmu += d * (np.float64(to_float(xr[i])) - m)
     return sum_dy, sum_dy_xmu
 
 
 @njit(**_JIT)
-def _tile_sums(x, dy, m, c, a0, a1, b0, b1):
+def _tile_sums(x, dy, m, shift, c, a0, a1, b0, b1):
     sd = 0.0
     sx = 0.0
     for a in range(a0, a1):
-        p, q = _run_sums(x[a, c], dy[a, c], m, b0, b1)
+        p, q = _run_sums(x[a, c], dy[a, c], m, shift, b0, b1)
         sd += p
         sx += q
     return sd, sx
@@ -104,8 +104,8 @@ def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef):
 # channels-first (A, C, B)
 
 @njit(parallel=True, **_JIT)
-def reduce_channels_first(x, dy, mean, rows, seg, partial):
-    """partial[j, s, c] = (sum dy, sum dy*(x-mean)) over tile (rows block j, segment s, channel c)."""
+def reduce_channels_first(x, dy, mean, shift, rows, seg, partial):
+    """partial[j, s, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over tile (j, s, c)."""
     A, C, B = x.shape
     n_blocks, n_segs = partial.shape[0], partial.shape[1]
     for item in prange(n_blocks * n_segs * C):
@@ -113,7 +113,7 @@ def reduce_channels_first(x, dy, mean, rows, seg, partial):
         t = item // C
         s = t % n_segs
         j = t // n_segs
-        p, q = _tile_sums(x, dy, mean[c], c, j * rows, min(A, j * rows + rows),
+        p, q = _tile_sums(x, dy, mean[c], shift[c], c, j * rows, min(A, j * rows + rows),
                           s * seg, min(B, s * seg + seg))
         partial[j, s, c, 0] = p
         partial[j, s, c, 1] = q
@@ -149,7 +149,7 @@ def backward_channels_first_fused(x, dy, out, mean, invstd, weight, count, rows,
         sx = 0.0
         for j in range(n_blocks):
             for s in range(n_segs):
-                p, q = _tile_sums(x, dy, m, c, j * rows, min(A, j * rows + rows),
+                p, q = _tile_sums(x, dy, m, 0.0, c, j * rows, min(A, j * rows + rows),
                                   s * seg, min(B, s * seg + seg))
                 sd += p
                 sx += q
@@ -201,16 +201,16 @@ def normalize_channels_first(x, out, coef, seg):
 # channels-last (M, C)
 
 @njit(**_JIT)
-def _accumulate_row(xr, dr, mean, psd, psx):
+def _accumulate_row(xr, dr, mean, shift, psd, psx):
     for c in range(dr.shape[0]):
-        d = np.float64(to_float(dr[c]))
+        d = np.float64(to_float(dr[c])) - shift[c]
         psd[c] += d
         psx[c] += d * (np.float64(to_float(xr[c])) - mean[c])
 
 
 @njit(parallel=True, **_JIT)
-def reduce_channels_last(x, dy, mean, rows, cols, partial):
-    """partial[j, 0/1, c] = (sum dy, sum dy*(x-mean)) over rows block j, for column group of c."""
+def reduce_channels_last(x, dy, mean, shift, rows, cols, partial):
+    """partial[j, 0/1, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over rows block j."""
     M, C = x.shape
     n_blocks = partial.shape[0]
     n_groups = (C + cols - 1) // cols
@@ -224,8 +224,9 @@ def reduce_channels_last(x, dy, mean, rows, cols, partial):
         psd[:] = 0.0
         psx[:] = 0.0
         group_mean = mean[c0:c1]
+        group_shift = shift[c0:c1]
         for r in range(j * rows, min(M, j * rows + rows)):
-            _accumulate_row(x[r, c0:c1], dy[r, c0:c1], group_mean, psd, psx)
+            _accumulate_row(x[r, c0:c1], dy[r, c0:c1], group_mean, group_shift, psd, psx)
 
 
 @njit(**_JIT)
