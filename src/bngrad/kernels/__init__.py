@@ -61,26 +61,46 @@ def _uses_lanes(x: np.ndarray) -> bool:
     return x.ndim == 2 or x.shape[2] < SHORT_RUN
 
 
+class _Lanes:
+    """How the lanes of a 2-D piece map to channels: lane ``c*runs + b`` (``repeat``, a
+    channel's run is contiguous) or lane ``i*C + c`` (``tile``, folded rows)."""
+
+    def __init__(self, kind: str, C: int, times: int):
+        self.kind, self.C, self.times = kind, C, times
+
+    def spread(self, values: np.ndarray) -> np.ndarray:
+        """Per-channel values (..., C) -> per-lane values (..., C*times)."""
+        if self.kind == "repeat":
+            return np.repeat(values, self.times, axis=-1)
+        return np.tile(values, (1,) * (values.ndim - 1) + (self.times,))
+
+    def add_into(self, total: np.ndarray, lane_sums: np.ndarray) -> None:
+        """total[c] += the sums of channel c's lanes, one lane at a time, in lane order."""
+        per_lane = (lane_sums.reshape(self.C, self.times).T if self.kind == "repeat"
+                    else lane_sums.reshape(self.times, self.C))
+        for lane in per_lane:
+            total += lane
+
+
 def _lane_pieces(arrays, C: int):
-    """[(2-D views of ``arrays``, channel of each lane, or None for lane == channel), ...]."""
+    """[(2-D views of ``arrays``, their _Lanes, or None where lane == channel), ...]."""
     first = arrays[0]
     if first.ndim == 3:
         A, _, B = first.shape
-        return [([a.reshape(A, C * B) for a in arrays], np.repeat(np.arange(C), B))]
+        return [([a.reshape(A, C * B) for a in arrays], _Lanes("repeat", C, B))]
     M = first.shape[0]
     if not 0 < C < NARROW:
         return [(arrays, None)]
     fold = _ceil_div(FOLDED_LANES, C)
     cut = M - M % fold
-    pieces = [([a[:cut].reshape(M // fold, fold * C) for a in arrays],
-               np.tile(np.arange(C), fold))]
+    pieces = [([a[:cut].reshape(M // fold, fold * C) for a in arrays], _Lanes("tile", C, fold))]
     if cut < M:
         pieces.append(([a[cut:] for a in arrays], None))
     return pieces
 
 
 def _spread(values: np.ndarray, lanes) -> np.ndarray:
-    return values if lanes is None else values[..., lanes]
+    return values if lanes is None else lanes.spread(values)
 
 
 def _reduce_lanes(x, dy, mean, shift):
@@ -119,7 +139,7 @@ def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, shift: np.ndarray | 
             if lanes is None:
                 total += lane_sums
             else:
-                np.add.at(total, lanes, lane_sums)  # lane by lane, in lane order
+                lanes.add_into(total, lane_sums)
     return sums
 
 
