@@ -3,6 +3,7 @@
 - :func:`batch_norm`: :func:`torch.nn.functional.batch_norm`, differentiable to any order;
 - :class:`BatchNorm1d`, :class:`BatchNorm2d`, :class:`BatchNorm3d`: drop-in modules;
 - :func:`convert` / :func:`revert`: swap the batch norms of a model either way;
+- :class:`SyncBatchNorm`: batch norm synchronized across processes (torch.distributed);
 - ``torch.ops.bngrad.*``: the custom operators (:mod:`bngrad.torch.ops`), traceable by
   ``torch.compile`` and ``torch.export``.
 
@@ -22,13 +23,7 @@ except ImportError as exc:
 from . import ops  # noqa: E402  (registers torch.ops.bngrad.*)
 from .functional import batch_norm  # noqa: E402
 from .modules import BatchNorm1d, BatchNorm2d, BatchNorm3d, convert, revert  # noqa: E402
+from .sync import SyncBatchNorm  # noqa: E402
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "batch_norm", "convert", "ops", "revert"]
-
-try:  # synchronized batch norm lives in its own module (torch.distributed)
-    from .sync import SyncBatchNorm  # noqa: E402,F401
-except ImportError as _exc:  # pragma: no cover - only while sync.py does not exist yet
-    if getattr(_exc, "name", None) != f"{__name__}.sync":
-        raise
-else:
-    __all__.append("SyncBatchNorm")
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "batch_norm", "convert",
+           "ops", "revert"]

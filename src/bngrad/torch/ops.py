@@ -196,15 +196,18 @@ def batch_norm_backward(grad_out: Tensor, input: Tensor, weight: Optional[Tensor
     """
     if grad_out.dtype != input.dtype:  # autograd may hand over a grad of another dtype
         grad_out = grad_out.to(input.dtype)
-    grad_input, grad_weight, grad_bias = bngrad.batch_norm_backward(
+    # grad_input is allocated by torch (its allocator, its alignment, the strides the fake
+    # implementation promises) and written in place by bngrad.
+    grad_input = torch.empty_like(input) if output_mask[0] else _empty(input.dtype, input.device)
+    _, grad_weight, grad_bias = bngrad.batch_norm_backward(
         to_numpy(grad_out, "grad_out"), to_numpy(input, "input"),
         to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),
         to_numpy_optional(running_var, "running_var"), _stat_or_none(save_mean, "save_mean"),
         _stat_or_none(save_invstd, "save_invstd"), train=train, eps=eps,
-        output_mask=tuple(output_mask))
+        output_mask=tuple(output_mask), out=to_numpy(grad_input) if output_mask[0] else None)
     param = _param_dtype(input, weight, (running_mean, running_var, save_mean, save_invstd))
-    return (_like(grad_input, input) if grad_input is not None else _empty(input.dtype, input.device),
-            _vector(grad_weight, param, input.device), _vector(grad_bias, param, input.device))
+    return (grad_input, _vector(grad_weight, param, input.device),
+            _vector(grad_bias, param, input.device))
 
 
 def _stat_or_none(stat: Optional[Tensor], name: str):
@@ -378,12 +381,13 @@ def batch_norm_backward_elemt(grad_out: Tensor, input: Tensor, mean: Tensor, inv
                               weight: Optional[Tensor], sum_dy: Tensor, sum_dy_xmu: Tensor,
                               count: Tensor) -> Tensor:
     """grad_input from the (all-reduced) sums; ``count``: per-rank element counts (summed)."""
-    grad_input = bngrad.batch_norm_backward_elemt(
+    grad_input = torch.empty_like(input)
+    bngrad.batch_norm_backward_elemt(
         to_numpy(grad_out, "grad_out"), to_numpy(input, "input"), to_numpy(mean, "mean"),
         to_numpy(invstd, "invstd"), to_numpy_optional(weight, "weight"),
         to_numpy(sum_dy, "sum_dy"), to_numpy(sum_dy_xmu, "sum_dy_xmu"),
-        count.detach().cpu().numpy())
-    return _like(grad_input, input)
+        count.detach().cpu().numpy(), out=to_numpy(grad_input))
+    return grad_input
 
 
 @batch_norm_backward_elemt.register_fake
