@@ -92,12 +92,22 @@ def to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
     ArgumentValueError
         ``tensor`` is not a CPU strided tensor.
     """
+    # Fast path (this runs ~10 times per layer and step): plain CPU tensors of our dtypes.
+    # Anything unusual makes .numpy() raise, and the checks below explain what is wrong.
+    dtype = getattr(tensor, "dtype", None)
+    if dtype in _TORCH_TO_NUMPY and tensor.device.type == "cpu":
+        try:
+            if dtype == torch.bfloat16:
+                return tensor.detach().view(torch.int16).numpy().view(_BF16)
+            return tensor.detach().numpy()
+        except (RuntimeError, TypeError):
+            pass
     if not isinstance(tensor, torch.Tensor):
         raise ArgumentTypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if not is_supported_device(tensor):
         raise ArgumentValueError(
             f"{name} must be a CPU tensor with strided layout to be viewed as a NumPy array; got "
-            f"device={tensor.device}, layout={tensor.layout}. Move it with .cpu() first.")
+            f"device={tensor.device}, layout={tensor.layout}; use .cpu() (and .to_dense()) first")
     numpy_dtype(tensor.dtype, name)  # raises on unsupported dtypes
     t = tensor.detach()
     if t.is_neg():  # a lazily negated view cannot be shared with NumPy; this rare case copies
