@@ -21,13 +21,17 @@ def _t(shape, dtype=torch.float32, seed=0, grad=False, **kw):
 
 
 def _forward_samples():
-    for dtype, pdtype in [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
+    """(id, args) of batch_norm_forward calls: dtypes, modes, layouts, optional arguments."""
+    for dtype, pdtype, name in [(torch.float32, torch.float32, "float32"),
+                                (torch.bfloat16, torch.float32, "bfloat16-p32")]:
         for training in (True, False):
             x = _t((3, 4, 2, 5), dtype, grad=True, channels_last=training)
             w, b = _t(4, pdtype, 1, grad=True), _t(4, pdtype, 2, grad=True)
             rm, rv = _t(4, pdtype, 3), _t(4, pdtype, 4).abs() + 0.5
-            yield (x, w, b, rm, rv, training, 0.1, 1e-5)
-    yield (_t((5, 3), torch.float64, grad=True), None, None, None, None, True, 0.1, 1e-5)
+            mode = "train-chlast" if training else "eval"
+            yield f"{name}-{mode}", (x, w, b, rm, rv, training, 0.1, 1e-5)
+    yield "float64-train-noparams", (_t((5, 3), torch.float64, grad=True), None, None, None,
+                                     None, True, 0.1, 1e-5)
 
 
 def _backward_samples():
@@ -36,19 +40,24 @@ def _backward_samples():
     w = _t(4, seed=1)
     mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
     invstd = torch.rsqrt(var + 1e-5)
-    yield (dy, x, w, None, None, mean, invstd, True, 1e-5, [True, True, True])
-    yield (dy, x, None, mean, var, torch.empty(0), torch.empty(0), False, 1e-5, [True, False, False])
-    yield (dy, x, w, None, None, mean, invstd, True, 1e-5, [False, True, True])
+    yield "train", (dy, x, w, None, None, mean, invstd, True, 1e-5, [True, True, True])
+    yield "eval-noweight-mask100", (dy, x, None, mean, var, torch.empty(0), torch.empty(0),
+                                    False, 1e-5, [True, False, False])
+    yield "train-mask011", (dy, x, w, None, None, mean, invstd, True, 1e-5, [False, True, True])
 
 
-@pytest.mark.parametrize("i,args", list(enumerate(_forward_samples())), ids=lambda v: str(v) if isinstance(v, int) else "")
-def test_opcheck_batch_norm_forward(i, args):
-    torch.library.opcheck(torch.ops.bngrad.batch_norm_forward.default, args)
+_FORWARD = dict(_forward_samples())
+_BACKWARD = dict(_backward_samples())
 
 
-@pytest.mark.parametrize("i,args", list(enumerate(_backward_samples())), ids=lambda v: str(v) if isinstance(v, int) else "")
-def test_opcheck_batch_norm_backward(i, args):
-    torch.library.opcheck(torch.ops.bngrad.batch_norm_backward.default, args)
+@pytest.mark.parametrize("case", list(_FORWARD))
+def test_opcheck_batch_norm_forward(case):
+    torch.library.opcheck(torch.ops.bngrad.batch_norm_forward.default, _FORWARD[case])
+
+
+@pytest.mark.parametrize("case", list(_BACKWARD))
+def test_opcheck_batch_norm_backward(case):
+    torch.library.opcheck(torch.ops.bngrad.batch_norm_backward.default, _BACKWARD[case])
 
 
 def test_opcheck_reduce_elemt_moments():
