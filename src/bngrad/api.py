@@ -31,19 +31,31 @@ def _f64(a: Optional[Array], n_channels: int, fill: float) -> Array:
     return np.full(n_channels, fill) if a is None else a.astype(np.float64)
 
 
-def _moments(x: Array, n_channels: int, count: int) -> tuple[Array, Array]:
-    """Per-channel mean and biased variance of a canonical kernel array, float64.
+def _first_elements(input: Array, axis: int) -> Array:
+    """Each channel's first element, float64."""
+    return input[tuple(slice(None) if i == axis else 0 for i in range(input.ndim))].astype(
+        np.float64)
 
-    Two passes (the corrected two-pass algorithm): the mean, then sum (x - mean) and
-    sum (x - mean)**2, the first of which removes the mean's own rounding error. No
-    E[x^2] - E[x]^2 cancellation, however far the data sits from zero.
+
+def _moments(x: Array, input: Array, axis: int, count: int) -> tuple[Array, Array]:
+    """Per-channel mean and biased variance of ``input`` (``x`` its canonical view), float64.
+
+    Both ways sum d = x - s and d**2 in float64 and take var = (sum d**2 - (sum d)**2/n)/n,
+    whose relative error is about 1e-16 * (1 + (s - mean)**2 / var):
+    - float64 data: two passes, s = the mean of the first pass (the corrected two-pass
+      algorithm), so the error is ~1e-16 however far the data sits from zero;
+    - other dtypes: one pass with s = each channel's first element. A data point is never
+      more than sqrt(n) standard deviations from the mean, so the error stays below n*1e-16,
+      far below float32's resolution, for one read of the data instead of two.
     """
-    zeros = np.zeros(n_channels)
-    sum_x, _ = kernels.reduce(x, x, zeros, zeros)
-    mean = sum_x / count
-    sum_xmu, sum_xmu2 = kernels.reduce(x, x, mean, mean)
-    m2 = sum_xmu2 - sum_xmu * sum_xmu / count
-    return mean, np.maximum(m2, 0.0) / count
+    if input.dtype == np.float64:
+        zeros = np.zeros(input.shape[axis])
+        shift = kernels.reduce(x, x, zeros, zeros)[0] / count
+    else:
+        shift = _first_elements(input, axis)
+    sum_d, sum_d2 = kernels.reduce(x, x, shift, shift)
+    mean = shift + sum_d / count
+    return mean, np.maximum(sum_d2 - sum_d * sum_d / count, 0.0) / count
 
 
 def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Array, int]:
@@ -82,13 +94,14 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     if count == 0:
         return np.full(n_channels, np.nan), np.full(n_channels, np.nan)
     with parallel_region(threads):
-        return _moments(plan(input, None, axis).x, n_channels, count)
+        return _moments(plan(input, None, axis).x, input, axis, count)
 
 
 def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running_mean: Any = None,
                        running_var: Any = None, train: bool = True, momentum: float = 0.1,
                        eps: float = 1e-5, *, channel_axis: int = 1,
-                       num_threads: Optional[int] = None) -> Tuple[Array, Array, Array]:
+                       num_threads: Optional[int] = None, out: Optional[Array] = None
+                       ) -> Tuple[Array, Array, Array]:
     """Batch-norm forward, as ``torch.ops.aten.native_batch_norm``.
 
     Parameters
@@ -106,11 +119,14 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
         Axis holding the channels (default 1).
     num_threads : int, optional
         Threads to use (default: all). Results are identical for every thread count.
+    out : ndarray, optional
+        Buffer for the output (input's shape and dtype); it may be input itself.
 
     Returns
     -------
     output : ndarray
-        Input's shape and dtype, in input's axis order when input is dense in some order.
+        ``out`` if given; else input's shape and dtype, in input's axis order when input is
+        dense in some order.
     save_mean, save_invstd : ndarray (C,)
         Batch mean and 1/sqrt(var + eps) in train mode (float32 for float16/bfloat16 inputs,
         else input's dtype); empty arrays in eval mode, as in PyTorch.
@@ -121,6 +137,7 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     eps = check.eps(eps)
     momentum = check.momentum(momentum)
     threads = check.num_threads(num_threads)
+    out = check.out_array(out, input, None)
     n_channels = input.shape[axis]
     weight = check.param_vector("weight", weight, n_channels, input.dtype)
     bias = check.param_vector("bias", bias, n_channels, input.dtype)
@@ -145,7 +162,7 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
             if count == 0:
                 mean, var = np.full(n_channels, np.nan), np.full(n_channels, np.nan)
             else:
-                mean, var = _moments(layout.x, n_channels, count)
+                mean, var = _moments(layout.x, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
             if running_mean is not None and count > 0:
                 running_mean[...] = (1 - momentum) * running_mean + momentum * mean
@@ -159,9 +176,10 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
         scale = invstd * _f64(weight, n_channels, 1.0)
         coef = np.stack([scale, scale, _f64(bias, n_channels, 0.0), mean]).astype(
             kernels.compute_dtype(input.dtype))
-        out_kernel, output = layout.empty_output(input.shape, input.dtype)
+        out_kernel, output = layout.output(input.shape, input.dtype, out)
         if input.size:
             kernels.normalize(layout.x, out_kernel, coef)
+    output = finish_output(output, out)
 
     if train:
         return output, mean.astype(stat_dtype), invstd.astype(stat_dtype)
@@ -186,8 +204,9 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
     running_mean, running_var : ndarray (C,), optional
         Used in eval mode (``train=False``), where they are required.
     save_mean, save_invstd : ndarray (C,), optional
-        Batch statistics from the forward pass, used in train mode. If either is None they
-        are computed from input (biased variance, eps), where PyTorch would fail.
+        Batch statistics from the forward pass, used in train mode. If either is None (or
+        empty, as an eval-mode forward returns them) they are computed from input (biased
+        variance, eps), where PyTorch would fail.
     train : bool
     eps : float
         Used with running_var in eval mode, and when the statistics are computed here.
@@ -218,6 +237,9 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, grad_out) if mask[0] else None
     n_channels = input.shape[axis]
+    # The empty (0,) statistics an eval-mode forward returns (here and in PyTorch) mean "none".
+    save_mean, save_invstd = (None if isinstance(v, np.ndarray) and v.shape == (0,) else v
+                              for v in (save_mean, save_invstd))
     params = {name: check.param_vector(name, value, n_channels, input.dtype)
               for name, value in (("weight", weight), ("running_mean", running_mean),
                                   ("running_var", running_var), ("save_mean", save_mean),
@@ -242,7 +264,7 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
             mean = params["running_mean"].astype(np.float64)
             invstd = 1.0 / np.sqrt(params["running_var"].astype(np.float64) + eps)
         elif params["save_mean"] is None or params["save_invstd"] is None:
-            mean, var = _moments(layout.x, n_channels, count)
+            mean, var = _moments(layout.x, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
         else:
             mean = params["save_mean"].astype(np.float64)
