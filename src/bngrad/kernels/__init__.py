@@ -37,8 +37,6 @@ COLUMN_GROUP = 512
 NARROW = 16
 FOLDED_LANES = 32
 SHORT_RUN = 64
-# Bytes of x and dy one fused channels-last task may touch (about a core's share of cache).
-FUSED_GROUP_BYTES = 1 << 20
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -168,45 +166,21 @@ def elemt(x: np.ndarray, dy: np.ndarray, out: np.ndarray, coef: np.ndarray, trai
         k.elemt_channels_first(x, dy, out, coef, _channels_first_tiles(A, B)[1], train)
 
 
-def _fused_group_width(x: np.ndarray) -> int:
-    """Columns per task of the fused channels-last backward, or 0 where it does not pay.
-
-    A task's columns, over all rows of x and dy, should fit in a core's share of the cache,
-    and there should be several tasks per thread. Whole cache lines (64 bytes) per row, so
-    that no two tasks write the same line. The width does not change any result's bits.
-    """
-    M, C = x.shape
-    line = 64 // x.itemsize
-    if C < NARROW or C % line:
-        return 0
-    per_column = 2 * M * x.itemsize
-    width = (FUSED_GROUP_BYTES // per_column) // line * line
-    width = min(width, C // (2 * current_num_threads()) // line * line)
-    return width if width >= line else 0
-
-
 def backward_train(x, dy, out, mean, invstd, weight, count, dtype):
     """Training-mode reduce + grad_input; returns (sum_dy, sum_dy_xmu) in float64.
 
-    Where each thread gets several channels (channels-first) or column groups (channels-last)
-    that fit in cache, it runs fused: a channel or group is reduced and then written while
-    still in cache (three arrays of memory traffic instead of five). Otherwise reduce, then
-    apply. Both give the same bits.
+    Channels-first with enough channels to keep every thread busy runs fused (each channel is
+    reduced and then written while still in cache); otherwise reduce, then apply. Both give
+    the same bits.
     """
     C = x.shape[1]
-    sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
-    coef = np.empty((4, C), dtype=dtype)
     if not _uses_lanes(x) and C >= 4 * current_num_threads():
         A, _, B = x.shape
         rows, seg = _channels_first_tiles(A, B)
+        sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
+        coef = np.empty((4, C), dtype=dtype)
         k.backward_channels_first_fused(x, dy, out, mean, invstd, weight, float(count), rows, seg,
                                         sum_dy, sum_dy_xmu, coef)
-        return sum_dy, sum_dy_xmu
-    width = _fused_group_width(x) if x.ndim == 2 else 0
-    if width:
-        rows = _channels_last_tiles(C)[0]
-        k.backward_channels_last_fused(x, dy, out, mean, invstd, weight, float(count), rows,
-                                       width, sum_dy, sum_dy_xmu, coef)
         return sum_dy, sum_dy_xmu
     sum_dy, sum_dy_xmu = reduce(x, dy, mean)
     coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)

@@ -241,67 +241,22 @@ def combine_channels_last(partial, sum_dy, sum_dy_xmu):
             sum_dy_xmu[c] += partial[j, 1, c]
 
 
-@njit(**_JIT)
-def _apply_row(xr, dr, outr, a, b, d, m):
-    for c in range(outr.shape[0]):
-        outr[c] = from_float(a[c] * to_float(dr[c]) - b[c] * (to_float(xr[c]) - m[c]) - d[c], outr)
-
-
 @njit(parallel=True, **_JIT)
 def elemt_channels_last(x, dy, out, coef, rows, train):
     M, C = dy.shape
     a, b, d, m = coef[0], coef[1], coef[2], coef[3]
     for j in prange((M + rows - 1) // rows):
         for r in range(j * rows, min(M, j * rows + rows)):
+            dr = dy[r]
+            outr = out[r]
             if train:
-                _apply_row(x[r], dy[r], out[r], a, b, d, m)
+                xr = x[r]
+                for c in range(C):
+                    outr[c] = from_float(a[c] * to_float(dr[c]) - b[c] * (to_float(xr[c]) - m[c])
+                                         - d[c], outr)
             else:
-                dr = dy[r]
-                outr = out[r]
                 for c in range(C):
                     outr[c] = from_float(a[c] * to_float(dr[c]), outr)
-
-
-@njit(parallel=True, **_JIT)
-def backward_channels_last_fused(x, dy, out, mean, invstd, weight, count, rows, width,
-                                 sum_dy, sum_dy_xmu, coef):
-    """Training backward, one group of ``width`` columns per task: reduce the group over all
-    rows, then apply to it while it is in cache.
-
-    Same row blocks, per-column order and block order as reduce_channels_last +
-    combine_channels_last + elemt_channels_last, so the same bits.
-    """
-    M, C = x.shape
-    n_blocks = (M + rows - 1) // rows
-    for g in prange((C + width - 1) // width):
-        c0 = g * width
-        c1 = min(C, c0 + width)
-        group_mean = mean[c0:c1]
-        no_shift = np.zeros(c1 - c0)
-        block_dy = np.empty(c1 - c0)
-        block_dy_xmu = np.empty(c1 - c0)
-        total_dy = sum_dy[c0:c1]
-        total_dy_xmu = sum_dy_xmu[c0:c1]
-        total_dy[:] = 0.0
-        total_dy_xmu[:] = 0.0
-        for j in range(n_blocks):
-            block_dy[:] = 0.0
-            block_dy_xmu[:] = 0.0
-            for r in range(j * rows, min(M, j * rows + rows)):
-                _accumulate_row(x[r, c0:c1], dy[r, c0:c1], group_mean, no_shift,
-                                block_dy, block_dy_xmu)
-            for i in range(c1 - c0):
-                total_dy[i] += block_dy[i]
-                total_dy_xmu[i] += block_dy_xmu[i]
-        for c in range(c0, c1):
-            a, b, d = _train_coefficients(sum_dy[c], sum_dy_xmu[c], invstd[c], weight[c], count)
-            coef[0, c] = a
-            coef[1, c] = b
-            coef[2, c] = d
-            coef[3, c] = mean[c]
-        ga, gb, gd, gm = coef[0, c0:c1], coef[1, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
-        for r in range(M):
-            _apply_row(x[r, c0:c1], dy[r, c0:c1], out[r, c0:c1], ga, gb, gd, gm)
 
 
 @njit(parallel=True, **_JIT)
