@@ -193,11 +193,12 @@ def _fmt(value, pattern):
 def _notes(result) -> List[str]:
     cases, s = result.cases, result.summary()
     notes = []
-    load = result.machine.get("load_average_1min")
-    if load is not None and load > 0.5:
-        notes.append(f"[yellow]Other processes were busy (load average {load:.1f} on "
-                     f"{result.machine['cores']} cores at the start): the figures are noisy; "
-                     "rerun on an idle machine to trust small differences.[/yellow]")
+    others = result.machine.get("other_processes_cores")
+    if others is not None and others > 0.1:
+        notes.append(f"[yellow]Other processes kept {others:.2f} of "
+                     f"{result.machine['cores']} cores busy on average during the run: the "
+                     "figures are noisy (PyTorch's OpenMP suffers most); rerun on an idle "
+                     "machine to trust them.[/yellow]")
     skipped = {}
     for c in cases:
         for name, why in c.skipped.items():

@@ -865,13 +865,47 @@ def run_suite(suite: str, cases: Sequence[Case], opts: Options,
         raise ArgumentValueError(f"--repeat must be at least 1, got {opts.repeat}")
     report = on_progress or (lambda done, text: None)
     machine = machine_info(opts.threads)  # before we load the machine ourselves
+    others = _OtherLoad()
     results = []
     with _TorchThreads(opts.threads):
         for i, case in enumerate(cases):
             def on_step(fraction, what, i=i, case=case):
                 report(i + fraction, f"{case.label}: {what}")
             results.append(run_case(case, opts, on_step))
+    machine["other_processes_cores"] = others.cores()
     return SuiteResult(suite, opts, machine, results)
+
+
+class _OtherLoad:
+    """How many cores other processes kept busy, on average, since construction (Linux).
+
+    All CPU time the system spent (``/proc/stat``) minus this process's own CPU time, over the
+    wall time: a direct measure of the noise under the figures (None where unavailable).
+    """
+
+    def __init__(self):
+        self.start = self._sample()
+
+    @staticmethod
+    def _sample() -> Optional[Tuple[float, float, float]]:
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+            tick = os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, AttributeError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+        busy_s = (sum(fields[:8]) - idle) / tick  # user..steal; guest is counted in user
+        own = os.times()
+        return time.perf_counter(), busy_s, own.user + own.system
+
+    def cores(self) -> Optional[float]:
+        end = self._sample()
+        if self.start is None or end is None or end[0] <= self.start[0]:
+            return None
+        wall = end[0] - self.start[0]
+        other = (end[1] - self.start[1]) - (end[2] - self.start[2])
+        return max(0.0, other / wall)
 
 
 # ---------------------------------------------------------------------------------------------
