@@ -170,12 +170,12 @@ def test_cli_runs_a_suite_and_writes_json_and_plot(tiny_suite, tmp_path, capsys)
         for name in ("bngrad", "torch", "reference", "floor", "floor_in_place", "bngrad@1"):
             t = got["timings"][name]
             assert len(t["samples_ms"]) >= 2 and t["q1_ms"] <= t["median_ms"] <= t["q3_ms"]
-            assert 0 <= t["cores_busy"] <= 2 * 1.2  # CPU time of at most 2 threads, clock slack
         bn, th, fl = (got["timings"][k]["median_ms"] for k in ("bngrad", "torch", "floor"))
         assert got["speedup_vs_torch"] == pytest.approx(th / bn)
         assert got["ratio_to_floor"] == pytest.approx(bn / fl)
         assert got["gbps"] == pytest.approx(3 * got["bytes_per_array"] / (bn * 1e-3) / 1e9)
         assert got["deterministic_across_threads"] is True
+        assert 0 < got["cores_busy"] <= 2 * 1.1  # CPU time of at most 2 threads, clock slack
         assert got["max_rel_diff_vs_torch"] < 0.05  # same answer as PyTorch (guard, not a test)
         assert got["extra_memory"]["bngrad"]["numpy_traced_peak"] >= 0
     assert result["summary"]["geomean_speedup_vs_torch"] > 0

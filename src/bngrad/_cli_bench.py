@@ -167,8 +167,7 @@ def _table(result):
                _ms(c.median("floor")), _x(speedup), _x(c.ratio_to_floor),
                "-" if c.gbps() is None else f"{c.gbps():.1f}"]
         if scaling:
-            busy = c.timings["bngrad"].cores_busy if "bngrad" in c.timings else None
-            row += [_x(c.scaling), _fmt(busy, "{:.2f}")]
+            row += [_x(c.scaling), _fmt(c.cores_busy, "{:.2f}")]
         if memory:
             extra = c.extra_memory.get("bngrad", {}).get("rss_extra")
             row.append("-" if extra is None else f"{extra / _MIB:.2f}")

@@ -478,7 +478,6 @@ class Timing:
 
     samples: List[float]
     number: int
-    cpu_samples: List[float] = field(default_factory=list)
 
     @property
     def median(self) -> float:
@@ -497,31 +496,33 @@ class Timing:
         """Interquartile range relative to the median."""
         return (self.q3 - self.q1) / self.median if self.median > 0 else 0.0
 
-    @property
-    def cores_busy(self) -> Optional[float]:
-        """Process CPU time / wall time while timed: how many cores the calls kept busy."""
-        if not self.cpu_samples:
-            return None
-        return sum(self.cpu_samples) / sum(self.samples)
-
     def to_json(self) -> dict:
-        return {"median_ms": self.median * 1e3, "cores_busy": self.cores_busy, "q1_ms": self.q1 * 1e3, "q3_ms": self.q3 * 1e3,
+        return {"median_ms": self.median * 1e3, "q1_ms": self.q1 * 1e3, "q3_ms": self.q3 * 1e3,
                 "min_ms": min(self.samples) * 1e3, "max_ms": max(self.samples) * 1e3,
                 "spread": self.spread, "number": self.number,
                 "samples_ms": [s * 1e3 for s in self.samples]}
 
 
 def _time(fn: Callable[[], Any], number: int) -> float:
-    return _time_cpu(fn, number)[0]
-
-
-def _time_cpu(fn: Callable[[], Any], number: int) -> Tuple[float, float]:
-    """(wall seconds, process CPU seconds of all threads) per call."""
-    c0, t0 = time.process_time(), time.perf_counter()
+    t0 = time.perf_counter()
     for _ in range(number):
         fn()
+    return (time.perf_counter() - t0) / number
+
+
+def cores_busy(fn: Callable[[], Any], min_s: float = 0.5) -> float:
+    """Process CPU time (all threads) / wall time over back-to-back calls for ``min_s``.
+
+    How many cores the calls keep busy (spin-waiting counts as busy). The window is long
+    because CPU clocks can advance in scheduler ticks of several milliseconds.
+    """
+    calls = 0
+    c0, t0 = time.process_time(), time.perf_counter()
+    while calls == 0 or time.perf_counter() - t0 < min_s:
+        fn()
+        calls += 1
     t1, c1 = time.perf_counter(), time.process_time()
-    return (t1 - t0) / number, (c1 - c0) / number
+    return (c1 - c0) / (t1 - t0)
 
 
 def _calibrate(fn: Callable[[], Any], min_sample_s: float) -> int:
@@ -613,6 +614,7 @@ class CaseResult:
     extra_memory: Dict[str, Dict[str, Optional[int]]] = field(default_factory=dict)
     max_rel_diff_vs_torch: Optional[float] = None
     deterministic_across_threads: Optional[bool] = None
+    cores_busy: Optional[float] = None
     threads: int = 1
 
     def median(self, name: str) -> Optional[float]:
@@ -656,6 +658,7 @@ class CaseResult:
             "speedup_vs_torch": self.speedup_vs_torch, "ratio_to_floor": self.ratio_to_floor,
             "gbps": self.gbps(), "floor_gbps": self.gbps("floor"),
             "scaling_1_to_n": self.scaling, "floor_scaling_1_to_n": self.floor_scaling,
+            "cores_busy": self.cores_busy,
             "extra_memory": self.extra_memory,
             "max_rel_diff_vs_torch": self.max_rel_diff_vs_torch,
             "deterministic_across_threads": self.deterministic_across_threads,
@@ -705,7 +708,6 @@ def run_case(case: Case, opts: Options,
         del one, many
 
     samples: Dict[str, List[float]] = {name: [] for name in fns}
-    cpu: Dict[str, List[float]] = {name: [] for name in fns}
     names = list(fns)
     for r in range(opts.repeat):
         step(0.15 + 0.75 * r / opts.repeat, f"repeat {r + 1}/{opts.repeat}")
@@ -715,10 +717,11 @@ def run_case(case: Case, opts: Options,
                 continue
             # let the previous contender's spinning pool threads (OpenMP, TBB) fall asleep
             time.sleep(opts.gap_s)
-            wall, cpu_s = _time_cpu(fns[name], numbers[name])
-            samples[name].append(wall)
-            cpu[name].append(cpu_s)
-    result.timings = {n: Timing(s, numbers[n], cpu[n]) for n, s in samples.items() if s}
+            samples[name].append(_time(fns[name], numbers[name]))
+    result.timings = {n: Timing(s, numbers[n]) for n, s in samples.items() if s}
+    if opts.scaling and "bngrad" in fns:
+        time.sleep(opts.gap_s)
+        result.cores_busy = cores_busy(fns["bngrad"])
 
     if opts.memory:
         step(0.92, "measuring memory")
