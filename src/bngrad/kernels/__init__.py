@@ -153,7 +153,7 @@ def _lanes_pass(kernel, arrays, coef, *extra) -> None:
     """Run an elementwise channels-last kernel over the lane pieces of ``arrays``."""
     for pieces, lanes in _lane_pieces(arrays, coef.shape[1]):
         if pieces[0].shape[0]:
-            kernel(*pieces, _spread(coef, lanes), _channels_last_tiles(pieces[0].shape[1])[0],
+            kernel(*pieces, _spread(coef, lanes), *_channels_last_tiles(pieces[0].shape[1]),
                    *extra)
 
 

@@ -208,6 +208,35 @@ def _accumulate_row(xr, dr, mean, shift, psd, psx):
         psx[c] += d * (np.float64(to_float(xr[c])) - mean[c])
 
 
+@njit(**_JIT)
+def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, mean, shift, psd, psx):
+    for c in range(d0.shape[0]):
+        m = mean[c]
+        s = shift[c]
+        e0 = np.float64(to_float(d0[c])) - s
+        e1 = np.float64(to_float(d1[c])) - s
+        e2 = np.float64(to_float(d2[c])) - s
+        e3 = np.float64(to_float(d3[c])) - s
+        psd[c] += (e0 + e1) + (e2 + e3)
+        psx[c] += ((e0 * (np.float64(to_float(x0[c])) - m) + e1 * (np.float64(to_float(x1[c])) - m))
+                   + (e2 * (np.float64(to_float(x2[c])) - m)
+                      + e3 * (np.float64(to_float(x3[c])) - m)))
+
+
+@njit(**_JIT)
+def _accumulate_block(x, dy, r0, r1, c0, c1, mean, shift, psd, psx):
+    """Add rows r0..r1-1 of columns c0..c1-1 into psd, psx (per column, fixed order)."""
+    r = r0
+    while r + 4 <= r1:  # four rows per pass over the partial sums: a quarter of the stores
+        _accumulate_4_rows(x[r, c0:c1], x[r + 1, c0:c1], x[r + 2, c0:c1], x[r + 3, c0:c1],
+                           dy[r, c0:c1], dy[r + 1, c0:c1], dy[r + 2, c0:c1], dy[r + 3, c0:c1],
+                           mean, shift, psd, psx)
+        r += 4
+    while r < r1:
+        _accumulate_row(x[r, c0:c1], dy[r, c0:c1], mean, shift, psd, psx)
+        r += 1
+
+
 @njit(parallel=True, **_JIT)
 def reduce_channels_last(x, dy, mean, shift, rows, cols, partial):
     """partial[j, 0/1, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over rows block j."""
@@ -223,10 +252,8 @@ def reduce_channels_last(x, dy, mean, shift, rows, cols, partial):
         psx = partial[j, 1, c0:c1]
         psd[:] = 0.0
         psx[:] = 0.0
-        group_mean = mean[c0:c1]
-        group_shift = shift[c0:c1]
-        for r in range(j * rows, min(M, j * rows + rows)):
-            _accumulate_row(x[r, c0:c1], dy[r, c0:c1], group_mean, group_shift, psd, psx)
+        _accumulate_block(x, dy, j * rows, min(M, j * rows + rows), c0, c1, mean[c0:c1],
+                          shift[c0:c1], psd, psx)
 
 
 @njit(**_JIT)
@@ -241,31 +268,51 @@ def combine_channels_last(partial, sum_dy, sum_dy_xmu):
             sum_dy_xmu[c] += partial[j, 1, c]
 
 
+@njit(**_JIT)
+def _apply_row(xr, dr, outr, a, b, d, m):
+    for c in range(outr.shape[0]):
+        outr[c] = from_float(a[c] * to_float(dr[c]) - b[c] * (to_float(xr[c]) - m[c]) - d[c], outr)
+
+
+@njit(**_JIT)
+def _scale_row(dr, outr, a):
+    for c in range(outr.shape[0]):
+        outr[c] = from_float(a[c] * to_float(dr[c]), outr)
+
+
+@njit(**_JIT)
+def _normalize_row(xr, outr, a, d, m):
+    for c in range(outr.shape[0]):
+        outr[c] = from_float((to_float(xr[c]) - m[c]) * a[c] + d[c], outr)
+
+
 @njit(parallel=True, **_JIT)
-def elemt_channels_last(x, dy, out, coef, rows, train):
+def elemt_channels_last(x, dy, out, coef, rows, cols, train):
+    """One task per (rows block, column group), so that few rows still make many tasks."""
     M, C = dy.shape
-    a, b, d, m = coef[0], coef[1], coef[2], coef[3]
-    for j in prange((M + rows - 1) // rows):
+    n_groups = (C + cols - 1) // cols
+    for item in prange(((M + rows - 1) // rows) * n_groups):
+        g = item % n_groups
+        j = item // n_groups
+        c0 = g * cols
+        c1 = min(C, c0 + cols)
+        a, b, d, m = coef[0, c0:c1], coef[1, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
         for r in range(j * rows, min(M, j * rows + rows)):
-            dr = dy[r]
-            outr = out[r]
             if train:
-                xr = x[r]
-                for c in range(C):
-                    outr[c] = from_float(a[c] * to_float(dr[c]) - b[c] * (to_float(xr[c]) - m[c])
-                                         - d[c], outr)
+                _apply_row(x[r, c0:c1], dy[r, c0:c1], out[r, c0:c1], a, b, d, m)
             else:
-                for c in range(C):
-                    outr[c] = from_float(a[c] * to_float(dr[c]), outr)
+                _scale_row(dy[r, c0:c1], out[r, c0:c1], a)
 
 
 @njit(parallel=True, **_JIT)
-def normalize_channels_last(x, out, coef, rows):
+def normalize_channels_last(x, out, coef, rows, cols):
     M, C = x.shape
-    a, d, m = coef[0], coef[2], coef[3]
-    for j in prange((M + rows - 1) // rows):
+    n_groups = (C + cols - 1) // cols
+    for item in prange(((M + rows - 1) // rows) * n_groups):
+        g = item % n_groups
+        j = item // n_groups
+        c0 = g * cols
+        c1 = min(C, c0 + cols)
+        a, d, m = coef[0, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
         for r in range(j * rows, min(M, j * rows + rows)):
-            xr = x[r]
-            outr = out[r]
-            for c in range(C):
-                outr[c] = from_float((to_float(xr[c]) - m[c]) * a[c] + d[c], outr)
+            _normalize_row(x[r, c0:c1], out[r, c0:c1], a, d, m)
