@@ -49,9 +49,10 @@ from bngrad.errors import ArgumentValueError
 from bngrad.kernels._elements import as_kernel_array, compute_dtype, from_float, to_float
 
 __all__ = [
-    "CONTENDERS", "Case", "CaseResult", "SUITES", "SuiteResult", "Timing",
-    "floor_pass", "machine_info", "make_arrays", "measure_startup", "run_case", "run_suite",
-    "select_cases",
+    "CONTENDERS", "DTYPES", "LAYOUTS", "SUITES", "Case", "CaseData", "CaseResult", "Options",
+    "SuiteResult", "Timing", "Unavailable", "check_threads", "cores_busy", "default_threads",
+    "floor_pass", "machine_info", "make_arrays", "make_floor", "measure_extra_memory",
+    "measure_startup", "run_case", "run_suite", "select_cases",
 ]
 
 EPS = 1e-5
