@@ -156,9 +156,20 @@ def _run_cli(tmp_path, *extra):
 
 def test_cli_runs_a_suite_and_writes_json_and_plot(tiny_suite, tmp_path, capsys):
     pytest.importorskip("torch")
-    result = _run_cli(tmp_path, "--scaling")
+    result = _run_cli(tmp_path, "--scaling", "--markdown", str(tmp_path / "bench.md"))
     out = capsys.readouterr().out
     assert "geometric mean" in out and "floor" in out
+    md = (tmp_path / "bench.md").read_text().splitlines()
+    table = [line for line in md if line.startswith("|")]
+    assert len(table) == 2 + len(TINY) + 1  # header, rule, one row per case, geometric mean
+    assert len({line.count("|") for line in table}) == 1
+    assert "4x3x5x6" in table[2] and "geometric mean" in table[-1]
+
+    # a saved run renders the same table again, without running anything
+    again = tmp_path / "again.md"
+    assert cli.main(["bench", "--load", str(tmp_path / "bench.json"),
+                     "--markdown", str(again)]) == 0
+    assert again.read_text() == (tmp_path / "bench.md").read_text()
 
     assert result["machine"]["threads"] == result["options"]["threads"] == 2
     for key in ("cpu_model", "cores", "date", "numpy", "numba", "torch", "bngrad"):

@@ -34,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the raw figures as JSON")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="write a PNG of speedup vs PyTorch and ratio to the floor")
+    parser.add_argument("--markdown", metavar="FILE.md",
+                        help="write the table and notes as Markdown (for a README)")
     parser.add_argument("--scaling", action="store_true",
                         help="also time bngrad and the floor on one thread (speedup, and "
                              "bitwise determinism across thread counts)")
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-memory", action="store_true",
                         help="skip measuring peak extra memory")
     parser.add_argument("--list", action="store_true", help="list the selected cases and exit")
+    parser.add_argument("--load", metavar="FILE",
+                        help="render a run saved with --json (table, --plot, --markdown) "
+                             "instead of running")
 
 
 def _missing_extra(module: str) -> Optional[str]:
@@ -87,12 +92,19 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"{case.label}  ({case.bytes_per_array / _MIB:.1f} MiB per array)")
         return 0
 
-    opts = bench.Options(threads=threads, repeat=repeat, reference_cap=args.reference_cap,
-                         scaling=args.scaling, memory=not args.no_memory)
-    result = _run_with_progress(console, bench, args.suite, cases, opts)
-    if args.startup:
-        with console.status("Timing the first call in fresh processes (cold, then warm)..."):
-            result.startup = bench.measure_startup()
+    if args.load:
+        try:
+            result = bench.SuiteResult.read_json(args.load)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            console.print(f"[red]bngrad bench: --load {args.load}: not a saved run ({exc!r})[/red]")
+            return 2
+    else:
+        opts = bench.Options(threads=threads, repeat=repeat, reference_cap=args.reference_cap,
+                             scaling=args.scaling, memory=not args.no_memory)
+        result = _run_with_progress(console, bench, args.suite, cases, opts)
+        if args.startup:
+            with console.status("Timing the first call in fresh processes (cold, then warm)..."):
+                result.startup = bench.measure_startup()
 
     console.print(_table(result))
     for line in _notes(result):
@@ -103,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(result, args.plot)
         console.print(f"Plot written to {args.plot}")
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(result))
+        console.print(f"Markdown table written to {args.markdown}")
     return 0
 
 
@@ -139,50 +155,72 @@ def _geomean(values) -> Optional[float]:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
-def _table(result):
-    from rich.table import Table
-
+def _grid(result):
+    """(title, column names, rows, geometric-mean row, row is slower than PyTorch)."""
     cases = result.cases
     m = result.machine
     scaling = any(c.scaling is not None for c in cases)
     memory = any("bngrad" in c.extra_memory for c in cases)
-    table = Table(title=f"bngrad bench --suite {result.suite}: {m['cpu_model']}, "
-                        f"{m['cores']} cores, {result.options.threads} threads, {m['date']}",
-                  title_justify="left")
-    for name in ("shape", "dtype", "layout"):
-        table.add_column(name)
-    for name in ("bngrad ms", "PyTorch ms", "NumPy ms", "floor ms", "vs PyTorch", "/ floor",
-                 "GB/s"):
-        table.add_column(name, justify="right")
+    title = (f"bngrad bench --suite {result.suite}: {m['cpu_model']}, {m['cores']} cores, "
+             f"{result.options.threads} threads, {m['date']}")
+    columns = ["shape", "dtype", "layout", "bngrad ms", "PyTorch ms", "NumPy ms", "floor ms",
+               "vs PyTorch", "/ floor", "GB/s"]
     if scaling:
-        table.add_column(f"1->{result.options.threads} thr", justify="right")
-        table.add_column("cores busy", justify="right")
+        columns += [f"1->{result.options.threads} thr", "cores busy"]
     if memory:
-        table.add_column("extra MiB", justify="right")
+        columns.append("extra MiB")
+    rows, slower = [], []
     for c in cases:
         speedup = c.speedup_vs_torch
-        style = "red" if speedup is not None and speedup < 1 else None
         row = [c.case.shape_text, c.case.dtype, c.case.layout_name,
                _ms(c.median("bngrad")), _ms(c.median("torch")), _ms(c.median("reference")),
                _ms(c.median("floor")), _x(speedup), _x(c.ratio_to_floor),
-               "-" if c.gbps() is None else f"{c.gbps():.1f}"]
+               _fmt(c.gbps(), "{:.1f}")]
         if scaling:
             row += [_x(c.scaling), _fmt(c.cores_busy, "{:.2f}")]
         if memory:
             extra = c.extra_memory.get("bngrad", {}).get("rss_extra")
             row.append("-" if extra is None else f"{extra / _MIB:.2f}")
-        table.add_row(*row, style=style)
-    table.add_section()
-    row = ["geometric mean", "", "", "", "", "", "",
-           _x(_geomean(c.speedup_vs_torch for c in cases)),
-           _x(_geomean(c.ratio_to_floor for c in cases)),
-           _fmt(_geomean(c.gbps() for c in cases), "{:.1f}")]
+        rows.append(row)
+        slower.append(speedup is not None and speedup < 1)
+    total = ["geometric mean", "", "", "", "", "", "",
+             _x(_geomean(c.speedup_vs_torch for c in cases)),
+             _x(_geomean(c.ratio_to_floor for c in cases)),
+             _fmt(_geomean(c.gbps() for c in cases), "{:.1f}")]
     if scaling:
-        row += [_x(_geomean(c.scaling for c in cases)), ""]
+        total += [_x(_geomean(c.scaling for c in cases)), ""]
     if memory:
-        row.append("")
-    table.add_row(*row, style="bold")
+        total.append("")
+    return title, columns, rows, total, slower
+
+
+def _table(result):
+    from rich.table import Table
+
+    title, columns, rows, total, slower = _grid(result)
+    table = Table(title=title, title_justify="left")
+    for i, name in enumerate(columns):
+        table.add_column(name, justify="left" if i < 3 else "right")
+    for row, red in zip(rows, slower):
+        table.add_row(*row, style="red" if red else None)
+    table.add_section()
+    table.add_row(*total, style="bold")
     return table
+
+
+def markdown(result) -> str:
+    """The results table and notes as Markdown (for a README)."""
+    from rich.text import Text
+
+    title, columns, rows, total, _ = _grid(result)
+    lines = [f"**{title}**", "",
+             "| " + " | ".join(columns) + " |",
+             "| " + " | ".join("---" if i < 3 else "---:" for i in range(len(columns))) + " |"]
+    for row in rows + [[f"**{total[0]}**"] + total[1:]]:
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    lines += [Text.from_markup(note).plain for note in _notes(result)]
+    return "\n".join(lines) + "\n"
 
 
 def _fmt(value, pattern):

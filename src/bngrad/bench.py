@@ -807,6 +807,28 @@ class SuiteResult:
             "startup": self.startup,
         }
 
+    @classmethod
+    def from_json(cls, data: dict) -> "SuiteResult":
+        """Rebuild a result from :meth:`to_json`'s output (to re-render a saved run)."""
+        o = data["options"]
+        opts = Options(threads=o["threads"], repeat=o["repeat"], reference_cap=o["reference_cap"],
+                       scaling=o["scaling"], memory=o["memory"], min_sample_s=o["min_sample_s"],
+                       gap_s=o.get("gap_s", 0.0), seed=o["seed"])
+        cases = []
+        for c in data["cases"]:
+            timings = {name: Timing([v / 1e3 for v in t["samples_ms"]], t["number"])
+                       for name, t in c["timings"].items()}
+            cases.append(CaseResult(
+                Case(tuple(c["shape"]), c["dtype"], c["layout"]), timings, dict(c["skipped"]),
+                dict(c["extra_memory"]), c["max_rel_diff_vs_torch"],
+                c["deterministic_across_threads"], c.get("cores_busy"), c["threads"]))
+        return cls(data["suite"], opts, dict(data["machine"]), cases, data.get("startup"))
+
+    @classmethod
+    def read_json(cls, path: str) -> "SuiteResult":
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
     def write_json(self, path: str) -> None:
         """Write :meth:`to_json` as strict JSON (a NaN or infinity becomes null)."""
         with open(path, "w") as f:
