@@ -30,7 +30,8 @@ def is_half(dtype: np.dtype) -> bool:
     return np.dtype(dtype) in HALF_DTYPES
 
 
-def _describe(value: Any) -> str:
+def describe(value: Any) -> str:
+    """A short description of a value for error messages."""
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} and dtype {value.dtype}"
     text = repr(value)
@@ -70,7 +71,7 @@ def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray) -> None:
 
 def channel_axis(value: Any, ndim: int) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ArgumentTypeError(f"channel_axis: expected an int, got {_describe(value)}")
+        raise ArgumentTypeError(f"channel_axis: expected an int, got {describe(value)}")
     axis = int(value)
     if not -ndim <= axis < ndim:
         raise ArgumentValueError(
@@ -123,15 +124,23 @@ def param_dtype(input_dtype: np.dtype, weight: Optional[np.ndarray],
     return input_dtype
 
 
+def positive_int(name: str, value: Any) -> int:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise ArgumentTypeError(f"{name}: expected an int > 0, got {describe(value)}")
+    if value <= 0:
+        raise ArgumentValueError(f"{name}: expected an int > 0, got {int(value)}")
+    return int(value)
+
+
 def boolean(name: str, value: Any) -> bool:
     if not isinstance(value, (bool, np.bool_)):
-        raise ArgumentTypeError(f"{name}: expected True or False, got {_describe(value)}")
+        raise ArgumentTypeError(f"{name}: expected True or False, got {describe(value)}")
     return bool(value)
 
 
 def eps(value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"eps: expected a float >= 0, got {_describe(value)}")
+        raise ArgumentTypeError(f"eps: expected a float >= 0, got {describe(value)}")
     value = float(value)
     if math.isnan(value) or value < 0 or math.isinf(value):
         raise ArgumentValueError(f"eps: expected a finite float >= 0, got {value}")
@@ -140,7 +149,7 @@ def eps(value: Any) -> float:
 
 def momentum(value: Any) -> float:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ArgumentTypeError(f"momentum: expected a float, got {_describe(value)}")
+        raise ArgumentTypeError(f"momentum: expected a float, got {describe(value)}")
     value = float(value)
     if not math.isfinite(value):
         raise ArgumentValueError(f"momentum: expected a finite float, got {value}")
@@ -155,7 +164,7 @@ def output_mask(value: Any) -> tuple[bool, bool, bool]:
     if items is None or len(items) != 3 or not all(isinstance(v, (bool, np.bool_)) for v in items):
         raise ArgumentValueError(
             "output_mask: expected three booleans (grad_input, grad_weight, grad_bias), "
-            f"got {_describe(value)}")
+            f"got {describe(value)}")
     return tuple(bool(v) for v in items)  # type: ignore[return-value]
 
 
@@ -163,7 +172,7 @@ def num_threads(value: Any) -> Optional[int]:
     if value is None:
         return None
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ArgumentTypeError(f"num_threads: expected None or an int >= 1, got {_describe(value)}")
+        raise ArgumentTypeError(f"num_threads: expected None or an int >= 1, got {describe(value)}")
     if value < 1:
         raise ArgumentValueError(f"num_threads: expected None or an int >= 1, got {int(value)}")
     return int(value)
@@ -176,15 +185,16 @@ def count(value: Any) -> float:
     except (TypeError, ValueError):
         raise ArgumentTypeError(
             f"count: expected a positive number (or an array of per-rank counts), got "
-            f"{_describe(value)}") from None
+            f"{describe(value)}") from None
     if not total > 0 or math.isinf(total):
         raise ArgumentValueError(f"count: expected a positive finite total, got {total}")
     return total
 
 
-def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
+def same_view(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether a and b are the very same view of the same memory."""
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.strides == b.strides and a.shape == b.shape)
+            and a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype)
 
 
 def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]) -> Optional[np.ndarray]:
@@ -196,7 +206,7 @@ def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]) -> 
     if value is None:
         return None
     if not isinstance(value, np.ndarray):
-        raise ArgumentTypeError(f"out: expected a NumPy array or None, got {_describe(value)}")
+        raise ArgumentTypeError(f"out: expected a NumPy array or None, got {describe(value)}")
     if value.shape != input.shape or value.dtype != input.dtype:
         raise ArgumentValueError(
             f"out: expected shape {input.shape} and dtype {input.dtype} (those of input), got "
@@ -204,7 +214,7 @@ def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]) -> 
     if not value.flags.writeable:
         raise ArgumentValueError("out: expected a writable array, got a read-only one")
     for name, other in (("input", input), ("grad_out", grad_out)):
-        if other is not None and np.shares_memory(value, other) and not _same_view(value, other):
+        if other is not None and np.shares_memory(value, other) and not same_view(value, other):
             raise ArgumentValueError(
                 f"out: overlaps {name} without being the same array; pass {name} itself for an "
                 "in-place result, or a separate buffer")

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import api
+from ._validate import describe, positive_int, same_view
 from .errors import ArgumentTypeError, ArgumentValueError
 
 __all__ = [
@@ -90,21 +91,6 @@ class BatchNormGradParams:
 
 # --------------------------------------------------------------------------- validation
 
-def _describe(value: Any) -> str:
-    if isinstance(value, np.ndarray):
-        return f"an array of shape {value.shape} and dtype {value.dtype}"
-    text = repr(value)
-    return f"{type(value).__name__} {text[:57] + '...' if len(text) > 60 else text}"
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ArgumentTypeError(f"{name}: expected an int > 0, got {_describe(value)}")
-    if value <= 0:
-        raise ArgumentValueError(f"{name}: expected an int > 0, got {int(value)}")
-    return int(value)
-
-
 def _is_train(value: Any) -> bool:
     # Strict 0/1: a shifted params list would otherwise put `channel` here and pass silently.
     if isinstance(value, (bool, np.bool_)):
@@ -112,7 +98,7 @@ def _is_train(value: Any) -> bool:
     if isinstance(value, numbers.Integral) and value in (0, 1):
         return bool(value)
     raise ArgumentValueError(
-        f"params[7] (is_train): expected 0, 1, True or False, got {_describe(value)}")
+        f"params[7] (is_train): expected 0, 1, True or False, got {describe(value)}")
 
 
 def threads_for_core_mask(core_mask: Any) -> int:
@@ -128,7 +114,7 @@ def threads_for_core_mask(core_mask: Any) -> int:
     if isinstance(core_mask, (bool, np.bool_)) or not isinstance(core_mask, numbers.Integral):
         raise ArgumentTypeError(
             "core_mask: expected an int bit mask of cores such as 0xFF, got "
-            f"{_describe(core_mask)}")
+            f"{describe(core_mask)}")
     if core_mask <= 0:
         raise ArgumentValueError(
             f"core_mask: expected a positive bit mask with at least one core set (e.g. 0x1, "
@@ -142,7 +128,7 @@ def _buffer(name: str, value: Any, dtypes: tuple[np.dtype, ...], writable: bool)
         hint = "; pass tensor.numpy()" if hasattr(value, "__torch_function__") else ""
         raise ArgumentTypeError(
             f"{name}: expected a NumPy array of {' or '.join(d.name for d in dtypes)} (the C "
-            f"code's pointer), got {_describe(value)}{hint}")
+            f"code's pointer), got {describe(value)}{hint}")
     if value.dtype not in dtypes:
         raise ArgumentTypeError(
             f"{name}: expected dtype {' or '.join(d.name for d in dtypes)}, got dtype "
@@ -190,16 +176,11 @@ def _channel_view(name: str, value: Any, channel: int, dtypes: tuple[np.dtype, .
     return array[:channel]
 
 
-def _same_view(a: np.ndarray, b: np.ndarray) -> bool:
-    return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype)
-
-
 def _check_overlaps(data: dict[str, np.ndarray], channel: dict[str, np.ndarray]) -> None:
     """dx may be exactly x or dy (in place), never partly; dbias/dscale overlap nothing."""
     dx = data["dx"]
     for name in ("x", "dy"):
-        if np.shares_memory(dx, data[name]) and not _same_view(dx, data[name]):
+        if np.shares_memory(dx, data[name]) and not same_view(dx, data[name]):
             raise ArgumentValueError(
                 f"dx: overlaps {name} partially, so the C library would read {name} values it "
                 f"has already overwritten; pass a separate buffer, or {name} itself for an "
@@ -225,13 +206,13 @@ def _batch_norm_grad(x: Any, dy: Any, dx: Any, params: Any, half: bool,
     if isinstance(params, (str, bytes)) or not isinstance(params, Sequence):
         raise ArgumentTypeError(
             f"params: expected a sequence like the C code's long long params[12] (or "
-            f"BatchNormGradParams), got {_describe(params)}")
+            f"BatchNormGradParams), got {describe(params)}")
     if len(params) < len(PARAM_SLOTS):
         raise ArgumentValueError(
             f"params: expected at least {len(PARAM_SLOTS)} entries ({', '.join(PARAM_SLOTS)}), "
             f"got {len(params)}")
-    batch = _positive_int("params[5] (batch)", params[5])
-    channel = _positive_int("params[6] (channel)", params[6])
+    batch = positive_int("params[5] (batch)", params[5])
+    channel = positive_int("params[6] (channel)", params[6])
     train = _is_train(params[7])
 
     data_dtype = FLOAT16 if half else FLOAT32

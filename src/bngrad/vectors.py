@@ -50,6 +50,7 @@ from typing import Any, Mapping, Optional, Union
 import numpy as np
 
 from . import reference
+from ._validate import positive_int
 from .errors import ArgumentTypeError, ArgumentValueError
 
 __all__ = [
@@ -126,14 +127,6 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     if value not in allowed:
         raise ArgumentValueError(f"{name}: expected one of {', '.join(allowed)}, got {value!r}")
     return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise ArgumentTypeError(f"{name}: expected an int > 0, got {value!r}")
-    if value <= 0:
-        raise ArgumentValueError(f"{name}: expected an int > 0, got {value}")
-    return int(value)
 
 
 def expected_outputs(x: Any, dy: Any, mean: Any, invar: Any, scale: Any, train: bool
@@ -315,8 +308,8 @@ def generate(batch: int, channel: int, dtype: str = "fp32", *, train: bool = Tru
     -------
     GoldenVectors
     """
-    batch = _positive_int("batch", batch)
-    channel = _positive_int("channel", channel)
+    batch = positive_int("batch", batch)
+    channel = positive_int("channel", channel)
     dtype = _choice("dtype", dtype, tuple(DTYPES))
     param_dtype = _choice("param_dtype", dtype if param_dtype is None else param_dtype,
                           tuple(DTYPES))
