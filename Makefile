@@ -20,7 +20,8 @@ $(VENV)/.test: $(VENV)/.base
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.base
+# The benchmark compares against the same pinned PyTorch as the tests.
+bench: $(VENV)/.test
 	$(PY) -m bngrad bench --suite quick
 
 clean:

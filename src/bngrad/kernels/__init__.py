@@ -81,8 +81,7 @@ class _Lanes:
         """total[c] += the sums of channel c's lanes, one lane at a time, in lane order."""
         per_lane = (lane_sums.reshape(self.C, self.times).T if self.kind == "repeat"
                     else lane_sums.reshape(self.times, self.C))
-        for lane in per_lane:
-            total += lane
+        k.add_lanes(total, per_lane)
 
 
 def _lane_pieces(arrays, C: int):

@@ -72,11 +72,14 @@ def _bf16_bits_to_float32(bits):
 
 @njit(inline="always")
 def _float32_to_bf16_bits(value):
+    # Branch-free, so that loops storing bfloat16 vectorise: round to nearest even, except
+    # that a NaN keeps its top bits and is made quiet.
     bits = _float32_as_uint32(value)
-    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN: keep it a quiet NaN
-        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
-    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return np.uint16((bits + rounding) >> np.uint32(16))
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x40)
+    is_nan = np.uint32((bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
+    nan_mask = np.uint32(0) - is_nan  # all ones for NaN, else zero
+    return np.uint16((quiet_nan & nan_mask) | (rounded & ~nan_mask))
 
 
 def to_float(value):

@@ -87,6 +87,14 @@ def _normalize_run(xr, outr, a, d, m, b0, b1):
         outr[i] = from_float((to_float(xr[i]) - m) * a + d, outr)
 
 
+@njit(**_JIT)
+def add_lanes(total, per_lane):
+    """total[c] += per_lane[i, c], for i = 0, 1, 2, ... in that order."""
+    for i in range(per_lane.shape[0]):
+        for c in range(per_lane.shape[1]):
+            total[c] += per_lane[i, c]
+
+
 # ---------------------------------------------------------------------------------------------
 # coefficients (shared by every path, so that all paths round identically)
 
