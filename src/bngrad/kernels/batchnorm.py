@@ -264,16 +264,21 @@ def reduce_channels_last(x, dy, mean, shift, rows, cols, partial):
                           shift[c0:c1], psd, psx)
 
 
-@njit(**_JIT)
+@njit(parallel=True, **_JIT)
 def combine_channels_last(partial, sum_dy, sum_dy_xmu):
     n_blocks, C = partial.shape[0], partial.shape[2]
-    for c in range(C):
-        sum_dy[c] = 0.0
-        sum_dy_xmu[c] = 0.0
-    for j in range(n_blocks):  # fixed order: block 0, 1, 2, ...
-        for c in range(C):
-            sum_dy[c] += partial[j, 0, c]
-            sum_dy_xmu[c] += partial[j, 1, c]
+    cols = 256
+    for g in prange((C + cols - 1) // cols):  # columns in parallel, blocks in a fixed order
+        sd = sum_dy[g * cols:(g + 1) * cols]
+        sx = sum_dy_xmu[g * cols:(g + 1) * cols]
+        sd[:] = 0.0
+        sx[:] = 0.0
+        for j in range(n_blocks):
+            pd = partial[j, 0, g * cols:(g + 1) * cols]
+            px = partial[j, 1, g * cols:(g + 1) * cols]
+            for c in range(sd.shape[0]):
+                sd[c] += pd[c]
+                sx[c] += px[c]
 
 
 @njit(**_JIT)
