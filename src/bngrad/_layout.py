@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from . import kernels
 from .kernels import as_kernel_array
 
 
@@ -82,20 +83,51 @@ def _canonical(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
     return as_kernel_array(memory_ordered).reshape(canonical)
 
 
+def _merged(shape: tuple[int, ...], strides: tuple[int, ...]) -> Optional[tuple[int, int]]:
+    """(size, stride) of the axes viewed as one, or None if their strides do not allow it."""
+    axes = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    for (_, outer), (n, inner) in zip(axes, axes[1:]):
+        if outer != inner * n:
+            return None
+    return math.prod(shape), (axes[-1][1] if axes else 0)
+
+
+def _copied(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
+    """A C-contiguous canonical copy of a non-contiguous array.
+
+    grad_out in channels-last order when input is channels-first (or the reverse) is a
+    transposed (A, B, C) array: that copy runs as a parallel tiled transpose. Anything else
+    (slices, odd strides) is copied by NumPy.
+    """
+    p = channel_position
+    shape, strides = memory_ordered.shape, memory_ordered.strides
+    before, after = _merged(shape[:p], strides[:p]), _merged(shape[p + 1:], strides[p + 1:])
+    if before is not None and after is not None:
+        A, C, B = before[0], shape[p], after[0]
+        transposed = np.lib.stride_tricks.as_strided(
+            memory_ordered, (A, B, C), (before[1], after[1], strides[p]), writeable=False)
+        if transposed.flags.c_contiguous:
+            copy = np.empty((A, C, B), dtype=memory_ordered.dtype)
+            kernels.transpose_last_two(as_kernel_array(transposed), as_kernel_array(copy))
+            return _canonical(copy, 1)
+    return _canonical(np.ascontiguousarray(memory_ordered), p)
+
+
 def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -> Plan:
     copied = []
     order = _memory_order(input)
     if order is None:
         copied.append("input")
         order = tuple(range(input.ndim))
-    x = np.ascontiguousarray(input.transpose(order))
+    position = order.index(channel_axis)
+    x = input.transpose(order)
+    x = _canonical(x, position) if x.flags.c_contiguous else _copied(x, position)
     dy = None
     if grad_out is not None:
         dy = grad_out.transpose(order)
-        if not dy.flags.c_contiguous:
+        if dy.flags.c_contiguous:
+            dy = _canonical(dy, position)
+        else:
             copied.append("grad_out")
-            dy = np.ascontiguousarray(dy)
-    position = order.index(channel_axis)
-    return Plan(x=_canonical(x, position),
-                dy=None if dy is None else _canonical(dy, position),
-                order=order, channel_axis=channel_axis, copied=tuple(copied))
+            dy = _copied(dy, position)
+    return Plan(x=x, dy=dy, order=order, channel_axis=channel_axis, copied=tuple(copied))

@@ -22,9 +22,10 @@ import numpy as np
 from .._threads import current_num_threads
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
+from .batchnorm import transpose_last_two
 
-__all__ = ["as_kernel_array", "compute_dtype", "reduce", "backward_train", "elemt",
-           "normalize", "train_coefficients"]
+__all__ = ["as_kernel_array", "compute_dtype", "transpose_last_two", "reduce", "backward_train",
+           "elemt", "normalize", "train_coefficients"]
 
 # Elements per reduction tile: big enough to amortise the per-tile work, small enough that
 # even a modest array splits into many tiles for the threads to share.

@@ -329,3 +329,26 @@ def normalize_channels_last(x, out, coef, rows, cols):
         a, d, m = coef[0, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
         for r in range(j * rows, min(M, j * rows + rows)):
             _normalize_row(x[r, c0:c1], out[r, c0:c1], a, d, m)
+
+
+# ---------------------------------------------------------------------------------------------
+# layout
+
+@njit(parallel=True, **_JIT)
+def transpose_last_two(source, out):
+    """out[a, c, b] = source[a, b, c], both C-contiguous, in tiles of 32 x 32 so that both
+    sides are read and written a cache line at a time."""
+    A, C, B = out.shape
+    t = 32
+    n_c = (C + t - 1) // t
+    n_b = (B + t - 1) // t
+    for item in prange(A * n_c * n_b):
+        jb = item % n_b
+        rest = item // n_b
+        jc = rest % n_c
+        a = rest // n_c
+        src = source[a]
+        dst = out[a]
+        for c in range(jc * t, min(C, jc * t + t)):
+            for b in range(jb * t, min(B, jb * t + t)):
+                dst[c, b] = src[b, c]
