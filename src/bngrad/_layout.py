@@ -83,34 +83,36 @@ def _canonical(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
     return as_kernel_array(memory_ordered).reshape(canonical)
 
 
-def _merged(shape: tuple[int, ...], strides: tuple[int, ...]) -> Optional[tuple[int, int]]:
-    """(size, stride) of the axes viewed as one, or None if their strides do not allow it."""
-    axes = [(n, s) for n, s in zip(shape, strides) if n != 1]
-    for (_, outer), (n, inner) in zip(axes, axes[1:]):
-        if outer != inner * n:
-            return None
-    return math.prod(shape), (axes[-1][1] if axes else 0)
+def _block_swap(perm: tuple[int, ...]) -> Optional[tuple[int, int]]:
+    """(i, j) if perm == (0..i-1, j..n-1, i..j-1): two adjacent blocks of axes swapped."""
+    n = len(perm)
+    for i in range(n):
+        for j in range(i + 1, n):
+            if perm == tuple(range(i)) + tuple(range(j, n)) + tuple(range(i, j)):
+                return i, j
+    return None
 
 
-def _copied(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
-    """A C-contiguous canonical copy of a non-contiguous array.
+def _in_order(array: np.ndarray, order: tuple[int, ...]) -> np.ndarray:
+    """A C-contiguous copy of ``array.transpose(order)``.
 
-    grad_out in channels-last order when input is channels-first (or the reverse) is a
-    transposed (A, B, C) array: that copy runs as a parallel tiled transpose. Anything else
-    (slices, odd strides) is copied by NumPy.
+    When array is dense in an order that is ``order`` with two blocks of axes swapped (grad_out
+    channels-last while input is channels-first, or the reverse), the copy is a parallel tiled
+    transpose; anything else (slices, odd strides) is copied by NumPy.
     """
-    p = channel_position
-    shape, strides = memory_ordered.shape, memory_ordered.strides
-    before, after = _merged(shape[:p], strides[:p]), _merged(shape[p + 1:], strides[p + 1:])
-    if before is not None and after is not None:
-        A, C, B = before[0], shape[p], after[0]
-        transposed = np.lib.stride_tricks.as_strided(
-            memory_ordered, (A, B, C), (before[1], after[1], strides[p]), writeable=False)
-        if transposed.flags.c_contiguous:
-            copy = np.empty((A, C, B), dtype=memory_ordered.dtype)
-            kernels.transpose_last_two(as_kernel_array(transposed), as_kernel_array(copy))
-            return _canonical(copy, 1)
-    return _canonical(np.ascontiguousarray(memory_ordered), p)
+    own = _memory_order(array)
+    swap = None if own is None else _block_swap(tuple(own.index(axis) for axis in order))
+    if swap is None:
+        return np.ascontiguousarray(array.transpose(order))
+    i, j = swap
+    memory = array.transpose(own)
+    source = memory.reshape(math.prod(memory.shape[:i]), math.prod(memory.shape[i:j]),
+                            math.prod(memory.shape[j:]))
+    copy = np.empty(tuple(array.shape[axis] for axis in order), dtype=array.dtype)
+    kernels.transpose_last_two(as_kernel_array(source),
+                               as_kernel_array(copy).reshape(source.shape[0], source.shape[2],
+                                                             source.shape[1]))
+    return copy
 
 
 def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -> Plan:
@@ -119,15 +121,16 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -
     if order is None:
         copied.append("input")
         order = tuple(range(input.ndim))
-    position = order.index(channel_axis)
     x = input.transpose(order)
-    x = _canonical(x, position) if x.flags.c_contiguous else _copied(x, position)
+    if not x.flags.c_contiguous:
+        x = np.ascontiguousarray(x)
     dy = None
     if grad_out is not None:
         dy = grad_out.transpose(order)
-        if dy.flags.c_contiguous:
-            dy = _canonical(dy, position)
-        else:
+        if not dy.flags.c_contiguous:
             copied.append("grad_out")
-            dy = _copied(dy, position)
-    return Plan(x=x, dy=dy, order=order, channel_axis=channel_axis, copied=tuple(copied))
+            dy = _in_order(grad_out, order)
+    position = order.index(channel_axis)
+    return Plan(x=_canonical(x, position),
+                dy=None if dy is None else _canonical(dy, position),
+                order=order, channel_axis=channel_axis, copied=tuple(copied))

@@ -336,7 +336,7 @@ def normalize_channels_last(x, out, coef, rows, cols):
 
 @njit(parallel=True, **_JIT)
 def transpose_last_two(source, out):
-    """out[a, c, b] = source[a, b, c], both C-contiguous, in tiles of 32 x 32 so that both
+    """out[a, q, p] = source[a, p, q], both C-contiguous, in tiles of 32 x 32 so that both
     sides are read and written a cache line at a time."""
     A, C, B = out.shape
     t = 32
