@@ -108,6 +108,25 @@ def param_vector(name: str, value: Any, n_channels: int, input_dtype: np.dtype
     return array
 
 
+def required_param_vector(name: str, value: Any, n_channels: int, input_dtype: np.dtype
+                          ) -> np.ndarray:
+    """As param_vector, but None is an error."""
+    if value is None:
+        raise ArgumentValueError(f"{name}: expected an array of shape ({n_channels},), got None")
+    return param_vector(name, value, n_channels, input_dtype)
+
+
+def running_stats_for_eval(train: bool, running_mean: Optional[np.ndarray],
+                           running_var: Optional[np.ndarray]) -> None:
+    """Eval mode normalises with the running statistics: both must be given."""
+    if not train and (running_mean is None or running_var is None):
+        raise ArgumentValueError(
+            "running_mean, running_var: expected both in eval mode (train=False), got "
+            f"running_mean={'None' if running_mean is None else 'an array'}, "
+            f"running_var={'None' if running_var is None else 'an array'}; "
+            "pass the running statistics or use train=True")
+
+
 def param_dtype(input_dtype: np.dtype, weight: Optional[np.ndarray],
                 stats: Sequence[Optional[np.ndarray]]) -> np.dtype:
     """dtype of grad_weight / grad_bias.

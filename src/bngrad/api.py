@@ -31,6 +31,16 @@ def _f64(a: Optional[Array], n_channels: int, fill: float) -> Array:
     return np.full(n_channels, fill) if a is None else a.astype(np.float64)
 
 
+def _count(input: Array, axis: int) -> int:
+    """Elements per channel."""
+    return input.size // input.shape[axis] if input.shape[axis] else 0
+
+
+def _eval_stats(running_mean: Array, running_var: Array, eps: float) -> tuple[Array, Array]:
+    """(mean, invstd) in float64 from the running statistics."""
+    return running_mean.astype(np.float64), 1.0 / np.sqrt(running_var.astype(np.float64) + eps)
+
+
 def _first_elements(input: Array, axis: int) -> Array:
     """Each channel's first element, float64."""
     return input[tuple(slice(None) if i == axis else 0 for i in range(input.ndim))].astype(
@@ -90,7 +100,7 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     axis = check.channel_axis(channel_axis, input.ndim)
     threads = check.num_threads(num_threads)
     n_channels = input.shape[axis]
-    count = input.size // n_channels if n_channels else 0
+    count = _count(input, axis)
     if count == 0:
         return np.full(n_channels, np.nan), np.full(n_channels, np.nan)
     with parallel_region(threads):
@@ -147,14 +157,9 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
         if value is not None and train and not value.flags.writeable:
             raise ArgumentValueError(f"{name}: expected a writable array (it is updated in place "
                                      "in train mode), got a read-only array")
-    if not train and (running_mean is None or running_var is None):
-        raise ArgumentValueError(
-            "running_mean, running_var: expected both in eval mode (train=False), got "
-            f"running_mean={'None' if running_mean is None else 'an array'}, "
-            f"running_var={'None' if running_var is None else 'an array'}; "
-            "pass the running statistics or use train=True")
+    check.running_stats_for_eval(train, running_mean, running_var)
     stat_dtype = check.FLOAT32 if check.is_half(input.dtype) else input.dtype
-    count = input.size // n_channels if n_channels else 0
+    count = _count(input, axis)
 
     with parallel_region(threads), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
         layout = plan(input, None, axis)
@@ -171,8 +176,7 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
                 unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.nan)
                 running_var[...] = (1 - momentum) * running_var + momentum * unbiased
         else:
-            mean = running_mean.astype(np.float64)
-            invstd = 1.0 / np.sqrt(running_var.astype(np.float64) + eps)
+            mean, invstd = _eval_stats(running_mean, running_var, eps)
         scale = invstd * _f64(weight, n_channels, 1.0)
         coef = np.stack([scale, scale, _f64(bias, n_channels, 0.0), mean]).astype(
             kernels.compute_dtype(input.dtype))
@@ -244,16 +248,11 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
               for name, value in (("weight", weight), ("running_mean", running_mean),
                                   ("running_var", running_var), ("save_mean", save_mean),
                                   ("save_invstd", save_invstd))}
-    if not train and (params["running_mean"] is None or params["running_var"] is None):
-        raise ArgumentValueError(
-            "running_mean, running_var: expected both in eval mode (train=False), got "
-            f"running_mean={'None' if params['running_mean'] is None else 'an array'}, "
-            f"running_var={'None' if params['running_var'] is None else 'an array'}; "
-            "pass the running statistics or use train=True")
+    check.running_stats_for_eval(train, params["running_mean"], params["running_var"])
     out_dtype = check.param_dtype(input.dtype, params["weight"],
                                   [params[n] for n in ("running_mean", "running_var",
                                                        "save_mean", "save_invstd")])
-    count = input.size // n_channels if n_channels else 0
+    count = _count(input, axis)
     w = _f64(params["weight"], n_channels, 1.0)
 
     with parallel_region(threads):
@@ -261,8 +260,7 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         if count == 0:
             mean = invstd = np.zeros(n_channels)
         elif not train:
-            mean = params["running_mean"].astype(np.float64)
-            invstd = 1.0 / np.sqrt(params["running_var"].astype(np.float64) + eps)
+            mean, invstd = _eval_stats(params["running_mean"], params["running_var"], eps)
         elif params["save_mean"] is None or params["save_invstd"] is None:
             mean, var = _moments(layout.x, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
@@ -325,11 +323,8 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
     """
     grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     n_channels = input.shape[axis]
-    mean = check.param_vector("mean", mean, n_channels, input.dtype)
-    invstd = check.param_vector("invstd", invstd, n_channels, input.dtype)
-    if mean is None or invstd is None:
-        raise ArgumentValueError("mean, invstd: expected arrays of shape "
-                                 f"({n_channels},), got None")
+    mean = check.required_param_vector("mean", mean, n_channels, input.dtype)
+    invstd = check.required_param_vector("invstd", invstd, n_channels, input.dtype)
     weight = check.param_vector("weight", weight, n_channels, input.dtype)
     flags = [check.boolean(name, value) for name, value in
              (("input_g", input_g), ("weight_g", weight_g), ("bias_g", bias_g))]
@@ -375,17 +370,13 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     """
     grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     n_channels = input.shape[axis]
-    vectors = {}
-    for name, value in (("mean", mean), ("invstd", invstd), ("sum_dy", sum_dy),
-                        ("sum_dy_xmu", sum_dy_xmu)):
-        vectors[name] = check.param_vector(name, value, n_channels, input.dtype)
-        if vectors[name] is None:
-            raise ArgumentValueError(f"{name}: expected an array of shape ({n_channels},), got None")
+    f64 = {name: check.required_param_vector(name, value, n_channels, input.dtype).astype(
+        np.float64) for name, value in (("mean", mean), ("invstd", invstd), ("sum_dy", sum_dy),
+                                        ("sum_dy_xmu", sum_dy_xmu))}
     weight = check.param_vector("weight", weight, n_channels, input.dtype)
     total = check.count(count)
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, grad_out)
-    f64 = {name: value.astype(np.float64) for name, value in vectors.items()}
     with parallel_region(threads):
         layout = plan(input, grad_out, axis)
         grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
