@@ -173,17 +173,21 @@ def backward_channels_first_fused(x, dy, out, mean, invstd, weight, count, rows,
                        coef[3, c], 0, B)
 
 
+@njit(**_JIT)
+def _run_of(item, C, B, seg):
+    """(a, c, b0, b1): the item-th segment of the runs of an (A, C, B) array."""
+    n_segs = (B + seg - 1) // seg
+    s = item % n_segs
+    r = item // n_segs
+    b0 = s * seg
+    return r // C, r % C, b0, min(B, b0 + seg)
+
+
 @njit(parallel=True, **_JIT)
 def elemt_channels_first(x, dy, out, coef, seg, train):
     A, C, B = dy.shape
-    n_segs = (B + seg - 1) // seg
-    for item in prange(A * C * n_segs):
-        s = item % n_segs
-        r = item // n_segs
-        c = r % C
-        a = r // C
-        b0 = s * seg
-        b1 = min(B, b0 + seg)
+    for item in prange(A * C * ((B + seg - 1) // seg)):
+        a, c, b0, b1 = _run_of(item, C, B, seg)
         if train:
             _apply_run(x[a, c], dy[a, c], out[a, c], coef[0, c], coef[1, c], coef[2, c],
                        coef[3, c], b0, b1)
@@ -194,15 +198,9 @@ def elemt_channels_first(x, dy, out, coef, seg, train):
 @njit(parallel=True, **_JIT)
 def normalize_channels_first(x, out, coef, seg):
     A, C, B = x.shape
-    n_segs = (B + seg - 1) // seg
-    for item in prange(A * C * n_segs):
-        s = item % n_segs
-        r = item // n_segs
-        c = r % C
-        a = r // C
-        b0 = s * seg
-        _normalize_run(x[a, c], out[a, c], coef[0, c], coef[2, c], coef[3, c], b0,
-                       min(B, b0 + seg))
+    for item in prange(A * C * ((B + seg - 1) // seg)):
+        a, c, b0, b1 = _run_of(item, C, B, seg)
+        _normalize_run(x[a, c], out[a, c], coef[0, c], coef[2, c], coef[3, c], b0, b1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,23 +243,32 @@ def _accumulate_block(x, dy, r0, r1, c0, c1, mean, shift, psd, psx):
         r += 1
 
 
+@njit(**_JIT)
+def _tiles(M, C, rows, cols):
+    """Number of (rows block, column group) tiles of an (M, C) array."""
+    return ((M + rows - 1) // rows) * ((C + cols - 1) // cols)
+
+
+@njit(**_JIT)
+def _tile_of(item, M, C, rows, cols):
+    """(j, r0, r1, c0, c1): the item-th tile, rows block j, of an (M, C) array."""
+    n_groups = (C + cols - 1) // cols
+    g = item % n_groups
+    j = item // n_groups
+    return j, j * rows, min(M, j * rows + rows), g * cols, min(C, g * cols + cols)
+
+
 @njit(parallel=True, **_JIT)
 def reduce_channels_last(x, dy, mean, shift, rows, cols, partial):
     """partial[j, 0/1, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over rows block j."""
     M, C = x.shape
-    n_blocks = partial.shape[0]
-    n_groups = (C + cols - 1) // cols
-    for item in prange(n_blocks * n_groups):
-        g = item % n_groups
-        j = item // n_groups
-        c0 = g * cols
-        c1 = min(C, c0 + cols)
+    for item in prange(_tiles(M, C, rows, cols)):
+        j, r0, r1, c0, c1 = _tile_of(item, M, C, rows, cols)
         psd = partial[j, 0, c0:c1]
         psx = partial[j, 1, c0:c1]
         psd[:] = 0.0
         psx[:] = 0.0
-        _accumulate_block(x, dy, j * rows, min(M, j * rows + rows), c0, c1, mean[c0:c1],
-                          shift[c0:c1], psd, psx)
+        _accumulate_block(x, dy, r0, r1, c0, c1, mean[c0:c1], shift[c0:c1], psd, psx)
 
 
 @njit(parallel=True, **_JIT)
@@ -303,14 +310,10 @@ def _normalize_row(xr, outr, a, d, m):
 def elemt_channels_last(x, dy, out, coef, rows, cols, train):
     """One task per (rows block, column group), so that few rows still make many tasks."""
     M, C = dy.shape
-    n_groups = (C + cols - 1) // cols
-    for item in prange(((M + rows - 1) // rows) * n_groups):
-        g = item % n_groups
-        j = item // n_groups
-        c0 = g * cols
-        c1 = min(C, c0 + cols)
+    for item in prange(_tiles(M, C, rows, cols)):
+        _, r0, r1, c0, c1 = _tile_of(item, M, C, rows, cols)
         a, b, d, m = coef[0, c0:c1], coef[1, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
-        for r in range(j * rows, min(M, j * rows + rows)):
+        for r in range(r0, r1):
             if train:
                 _apply_row(x[r, c0:c1], dy[r, c0:c1], out[r, c0:c1], a, b, d, m)
             else:
@@ -320,14 +323,10 @@ def elemt_channels_last(x, dy, out, coef, rows, cols, train):
 @njit(parallel=True, **_JIT)
 def normalize_channels_last(x, out, coef, rows, cols):
     M, C = x.shape
-    n_groups = (C + cols - 1) // cols
-    for item in prange(((M + rows - 1) // rows) * n_groups):
-        g = item % n_groups
-        j = item // n_groups
-        c0 = g * cols
-        c1 = min(C, c0 + cols)
+    for item in prange(_tiles(M, C, rows, cols)):
+        _, r0, r1, c0, c1 = _tile_of(item, M, C, rows, cols)
         a, d, m = coef[0, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
-        for r in range(j * rows, min(M, j * rows + rows)):
+        for r in range(r0, r1):
             _normalize_row(x[r, c0:c1], out[r, c0:c1], a, d, m)
 
 
