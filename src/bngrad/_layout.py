@@ -39,12 +39,7 @@ class Plan:
     x: np.ndarray                  # (A, C, B) or (M, C), kernel element type
     dy: Optional[np.ndarray]       # same shape as x, or None
     order: tuple[int, ...]         # memory order of the logical axes used for x, dy and outputs
-    channel_axis: int
-    copied: tuple[str, ...]        # arguments that had to be copied (for the curious)
-
-    @property
-    def channels_last(self) -> bool:
-        return self.x.ndim == 2
+    copied: tuple[str, ...]        # arguments that had to be copied (shown when debugging)
 
     def empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
         """(kernel view, user array) of a new array shaped like input, in the plan's order."""
@@ -133,4 +128,4 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -
     position = order.index(channel_axis)
     return Plan(x=_canonical(x, position),
                 dy=None if dy is None else _canonical(dy, position),
-                order=order, channel_axis=channel_axis, copied=tuple(copied))
+                order=order, copied=tuple(copied))
