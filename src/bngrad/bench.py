@@ -238,9 +238,8 @@ class CaseData:
 
 
 def _random(rng: np.random.Generator, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    if dtype == np.float64:
-        return rng.standard_normal(shape)
-    return rng.standard_normal(shape, dtype=np.float32).astype(dtype, copy=False)
+    """Standard-normal values drawn in the compute dtype, then rounded to ``dtype``."""
+    return rng.standard_normal(shape, dtype=compute_dtype(dtype)).astype(dtype, copy=False)
 
 
 def _channels_last(rng, shape, dtype) -> np.ndarray:
@@ -286,7 +285,7 @@ def make_arrays(case: Case, seed: int = 0) -> CaseData:
     }[case.layout]
     grad_out, input = make_dy(), make_x()
     C = case.shape[1]
-    param_dtype = np.float64 if dtype == np.float64 else np.float32
+    param_dtype = compute_dtype(dtype)
     weight = rng.uniform(0.5, 1.5, C).astype(param_dtype)
     save_mean = rng.normal(0.0, 0.1, C).astype(param_dtype)
     save_invstd = rng.uniform(0.8, 1.2, C).astype(param_dtype)
