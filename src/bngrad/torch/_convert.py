@@ -94,10 +94,10 @@ def to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
     """
     # Fast path (this runs ~10 times per layer and step): plain CPU tensors of our dtypes.
     # Anything unusual makes .numpy() raise, and the checks below explain what is wrong.
-    dtype = getattr(tensor, "dtype", None)
-    if dtype in _TORCH_TO_NUMPY and tensor.device.type == "cpu":
+    # (``is_cpu`` is a plain flag; ``device.type`` would build a device object every call.)
+    if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype in _TORCH_TO_NUMPY:
         try:
-            if dtype == torch.bfloat16:
+            if tensor.dtype is torch.bfloat16:
                 return tensor.detach().view(torch.int16).numpy().view(_BF16)
             return tensor.detach().numpy()
         except (RuntimeError, TypeError):
@@ -131,7 +131,7 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
     """
     array = np.asarray(array)
     dtype = torch_dtype(array.dtype)
-    if any(s < 0 for s in array.strides):
+    if min(array.strides, default=0) < 0:
         array = np.ascontiguousarray(array)
     if not array.flags.writeable:
         # torch.from_numpy warns on read-only arrays; a read-only view is only handed to us
