@@ -6,7 +6,6 @@ Glue only: what is measured and how lives in :mod:`bngrad.bench`.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from typing import List, Optional
 
@@ -146,18 +145,19 @@ def _ms(seconds: Optional[float]) -> str:
     return f"{ms:.3g}" if ms < 100 else f"{ms:.0f}"
 
 
+def _fmt(value, pattern):
+    return "-" if value is None else pattern.format(value)
+
+
 def _x(value: Optional[float]) -> str:
-    return "-" if value is None else f"{value:.2f}x"
-
-
-def _geomean(values) -> Optional[float]:
-    values = [v for v in values if v is not None and v > 0]
-    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+    return _fmt(value, "{:.2f}x")
 
 
 def _grid(result):
     """(title, column names, rows, geometric-mean row, row is slower than PyTorch)."""
-    cases = result.cases
+    from .bench import geomean
+
+    cases, s = result.cases, result.summary()
     m = result.machine
     scaling = any(c.scaling is not None for c in cases)
     memory = any("bngrad" in c.extra_memory for c in cases)
@@ -184,11 +184,10 @@ def _grid(result):
         rows.append(row)
         slower.append(speedup is not None and speedup < 1)
     total = ["geometric mean", "", "", "", "", "", "",
-             _x(_geomean(c.speedup_vs_torch for c in cases)),
-             _x(_geomean(c.ratio_to_floor for c in cases)),
-             _fmt(_geomean(c.gbps() for c in cases), "{:.1f}")]
+             _x(s["geomean_speedup_vs_torch"]), _x(s["geomean_ratio_to_floor"]),
+             _fmt(geomean(c.gbps() for c in cases), "{:.1f}")]
     if scaling:
-        total += [_x(_geomean(c.scaling for c in cases)), ""]
+        total += [_x(s["geomean_scaling_1_to_n"]), ""]
     if memory:
         total.append("")
     return title, columns, rows, total, slower
@@ -223,10 +222,6 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _fmt(value, pattern):
-    return "-" if value is None else pattern.format(value)
-
-
 def _notes(result) -> List[str]:
     cases, s = result.cases, result.summary()
     notes = []
@@ -247,12 +242,10 @@ def _notes(result) -> List[str]:
     notes.append("floor: one fused pass dx = a*dy + b*x over the same bytes and threads, "
                  "allocating its output as bngrad does; / floor = bngrad time / floor time. "
                  "GB/s: 3 arrays' traffic / bngrad time. Medians; spreads are in --json.")
-    alloc = [1 - c.median("floor_in_place") / c.median("floor") for c in cases
-             if c.median("floor_in_place") and c.median("floor")]
-    if alloc:
-        alloc.sort()
+    fresh = result.median_fresh_memory_share()
+    if fresh is not None:
         notes.append(f"Fresh output memory (page faults, zeroing) is a median "
-                     f"{100 * alloc[len(alloc) // 2]:.0f}% of the floor's time.")
+                     f"{100 * fresh:.0f}% of the floor's time.")
     if s["min_speedup_vs_torch"] is not None:
         notes.append(f"Slowest vs PyTorch: {s['min_speedup_vs_torch']:.2f}x "
                      f"({s['min_speedup_case']}).")

@@ -51,7 +51,7 @@ from bngrad.kernels._elements import as_kernel_array, compute_dtype, from_float,
 __all__ = [
     "CONTENDERS", "DTYPES", "LAYOUTS", "SUITES", "Case", "CaseData", "CaseResult", "Options",
     "SuiteResult", "Timing", "Unavailable", "check_threads", "cores_busy", "default_threads",
-    "floor_pass", "machine_info", "make_arrays", "make_floor", "measure_extra_memory",
+    "floor_pass", "geomean", "machine_info", "make_arrays", "make_floor", "measure_extra_memory",
     "measure_startup", "run_case", "run_suite", "select_cases",
 ]
 
@@ -642,6 +642,12 @@ class CaseResult:
     def floor_scaling(self) -> Optional[float]:
         return self._ratio("floor@1", "floor")
 
+    @property
+    def fresh_memory_share(self) -> Optional[float]:
+        """Share of the floor's time that fresh output memory costs: 1 - in-place / fresh."""
+        ratio = self._ratio("floor_in_place", "floor")
+        return None if not ratio else 1 - ratio
+
     def gbps(self, name: str = "bngrad") -> Optional[float]:
         """Traffic of three arrays (read x, dy; write dx) per second, in GB/s."""
         t = self.median(name)
@@ -735,6 +741,12 @@ def run_case(case: Case, opts: Options,
     return result
 
 
+def geomean(values: Iterable[Optional[float]]) -> Optional[float]:
+    """Geometric mean of the positive values (None and zeros left out); None when there are none."""
+    values = [v for v in values if v is not None and v > 0]
+    return float(np.exp(np.mean(np.log(values)))) if values else None
+
+
 def _agreement(fns: Dict[str, Callable[[], Any]]) -> Optional[float]:
     """max |bngrad dx - torch dx| / max |torch dx|: a guard against timing a wrong answer."""
     if "bngrad" not in fns or "torch" not in fns:
@@ -757,10 +769,6 @@ class SuiteResult:
 
     def summary(self) -> dict:
         """Geometric means and the aggregates the performance targets are stated in."""
-        def gmean(values):
-            values = [v for v in values if v is not None and v > 0]
-            return float(np.exp(np.mean(np.log(values)))) if values else None
-
         cs = self.cases
         speedups = [(c.speedup_vs_torch, c) for c in cs if c.speedup_vs_torch is not None]
         slowest = min(speedups, key=lambda p: p[0]) if speedups else None
@@ -771,25 +779,32 @@ class SuiteResult:
         for dtype in DTYPES:
             rates = [c.gbps() for c in cs if c.case.dtype == dtype and c.gbps()]
             if rates:
-                per_byte[dtype] = gmean(rates)
+                per_byte[dtype] = geomean(rates)
         extras = [c.extra_memory.get("bngrad", {}).get("rss_extra") for c in cs]
         extras = [e for e in extras if e is not None]
         diffs = [c.max_rel_diff_vs_torch for c in cs if c.max_rel_diff_vs_torch is not None]
         det = [c.deterministic_across_threads for c in cs
                if c.deterministic_across_threads is not None]
         return {
-            "geomean_speedup_vs_torch": gmean(s for s, _ in speedups),
+            "geomean_speedup_vs_torch": geomean(s for s, _ in speedups),
             "min_speedup_vs_torch": slowest[0] if slowest else None,
             "min_speedup_case": slowest[1].case.label if slowest else None,
-            "geomean_ratio_to_floor": gmean(c.ratio_to_floor for c in cs),
+            "geomean_ratio_to_floor": geomean(c.ratio_to_floor for c in cs),
             "median_ratio_to_floor_fp32_ge_64mib": float(np.median(big)) if big else None,
             "fp32_ge_64mib_cases": len(big),
             "geomean_gbps_by_dtype": per_byte,
-            "geomean_scaling_1_to_n": gmean(c.scaling for c in cs),
+            "geomean_scaling_1_to_n": geomean(c.scaling for c in cs),
             "max_bngrad_extra_bytes": max(extras) if extras else None,
             "max_rel_diff_vs_torch": max(diffs) if diffs else None,
             "deterministic_across_threads": all(det) if det else None,
         }
+
+    def median_fresh_memory_share(self) -> Optional[float]:
+        """Median of the cases' :attr:`CaseResult.fresh_memory_share` (the upper middle one of
+        an even count); None when no case has both floors."""
+        shares = sorted(c.fresh_memory_share for c in self.cases
+                        if c.fresh_memory_share is not None)
+        return shares[len(shares) // 2] if shares else None
 
     def to_json(self) -> dict:
         opts = self.options
