@@ -78,9 +78,8 @@ def run(args: argparse.Namespace) -> int:
         cases = bench.select_cases(args.suite, args.dtype, args.layout)
         threads = bench.check_threads(args.threads if args.threads is not None
                                       else bench.default_threads())
-        repeat = args.repeat if args.repeat is not None else bench.SUITES[args.suite][1]
-        if repeat < 1:
-            raise ArgumentValueError(f"--repeat must be at least 1, got {repeat}")
+        repeat = bench.check_repeat(args.repeat if args.repeat is not None
+                                    else bench.SUITES[args.suite][1])
         if args.reference_cap < 0:
             raise ArgumentValueError(f"--reference-cap must be >= 0, got {args.reference_cap}")
     except ArgumentValueError as exc:

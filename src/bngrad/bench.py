@@ -50,9 +50,9 @@ from bngrad.kernels._elements import as_kernel_array, compute_dtype, from_float,
 
 __all__ = [
     "CONTENDERS", "DTYPES", "LAYOUTS", "SUITES", "Case", "CaseData", "CaseResult", "Options",
-    "SuiteResult", "Timing", "Unavailable", "check_threads", "cores_busy", "default_threads",
-    "floor_pass", "geomean", "machine_info", "make_arrays", "make_floor", "measure_extra_memory",
-    "measure_startup", "run_case", "run_suite", "select_cases",
+    "SuiteResult", "Timing", "Unavailable", "check_repeat", "check_threads", "cores_busy",
+    "default_threads", "floor_pass", "geomean", "machine_info", "make_arrays", "make_floor",
+    "measure_extra_memory", "measure_startup", "run_case", "run_suite", "select_cases",
 ]
 
 EPS = 1e-5
@@ -897,12 +897,17 @@ def check_threads(threads: int) -> int:
     return threads
 
 
+def check_repeat(repeat: int) -> int:
+    if repeat < 1:
+        raise ArgumentValueError(f"--repeat must be at least 1, got {repeat}")
+    return repeat
+
+
 def run_suite(suite: str, cases: Sequence[Case], opts: Options,
               on_progress: Optional[Callable[[float, str], None]] = None) -> SuiteResult:
     """Measure ``cases`` in order. ``on_progress(cases_done, text)``: fractional count, a label."""
     check_threads(opts.threads)
-    if opts.repeat < 1:
-        raise ArgumentValueError(f"--repeat must be at least 1, got {opts.repeat}")
+    check_repeat(opts.repeat)
     report = on_progress or (lambda done, text: None)
     machine = machine_info(opts.threads)  # before we load the machine ourselves
     others = _OtherLoad()
