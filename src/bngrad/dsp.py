@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import api
-from ._validate import describe, positive_int, same_view
+from ._validate import FLOAT16, FLOAT32, describe, positive_int, same_view
 from .errors import ArgumentTypeError, ArgumentValueError
 
 __all__ = [
@@ -47,9 +47,6 @@ __all__ = [
     "hp_batch_norm_grad_s",
     "threads_for_core_mask",
 ]
-
-FLOAT16 = np.dtype(np.float16)
-FLOAT32 = np.dtype(np.float32)
 
 #: Names of params[0..7]; the C array has 12 entries, 8..11 are reserved.
 PARAM_SLOTS = ("mean", "invar", "scale", "dbias", "dscale", "batch", "channel", "is_train")
