@@ -752,8 +752,10 @@ def _agreement(fns: Dict[str, Callable[[], Any]]) -> Optional[float]:
     if "bngrad" not in fns or "torch" not in fns:
         return None
     ours, theirs = _as_float64(fns["bngrad"]()), _as_float64(fns["torch"]())
-    scale = float(np.max(np.abs(theirs))) if theirs.size else 0.0
-    diff = float(np.max(np.abs(ours - theirs))) if theirs.size else 0.0
+    if not theirs.size:
+        return 0.0
+    scale = float(np.max(np.abs(theirs)))
+    diff = float(np.max(np.abs(ours - theirs)))
     return diff / scale if scale else diff
 
 
