@@ -79,20 +79,6 @@ def _vector(array, dtype: torch.dtype, device: torch.device) -> Tensor:
     return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
-def _like(array, input: Tensor) -> Tensor:
-    """A full-size result as a tensor with the strides the fake implementation promises.
-
-    bngrad returns results in the input's axis order when the input is dense in some order,
-    which is what ``torch.empty_like`` gives too; for the rare non-dense input the two may
-    differ, and then one copy makes them agree (compiled graphs rely on the strides).
-    """
-    tensor = from_numpy(array)
-    expected = torch.empty_like(input, device="meta")
-    if tensor.stride() != expected.stride() and tensor.numel() > 1:
-        tensor = torch.empty_like(input).copy_(tensor)
-    return tensor
-
-
 # --- batch_norm_forward -----------------------------------------------------------------------
 
 @torch.library.custom_op("bngrad::batch_norm_forward", mutates_args=(), device_types="cpu")
@@ -110,15 +96,19 @@ def batch_norm_forward(input: Tensor, weight: Optional[Tensor], bias: Optional[T
     """
     new_mean = running_mean.clone() if training and running_mean is not None else None
     new_var = running_var.clone() if training and running_var is not None else None
-    output, save_mean, save_invstd = bngrad.batch_norm_forward(
+    # output is allocated by torch (the strides the fake implementation promises; compiled
+    # graphs rely on them) and written in place by bngrad, as grad_input is in the backward.
+    output = torch.empty_like(input)
+    _, save_mean, save_invstd = bngrad.batch_norm_forward(
         to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
         to_numpy_optional(bias, "bias"),
         to_numpy_optional(new_mean if training else running_mean, "running_mean"),
         to_numpy_optional(new_var if training else running_var, "running_var"),
-        train=training, momentum=momentum, eps=eps)  # updates new_mean, new_var in place
+        train=training, momentum=momentum, eps=eps,
+        out=to_numpy(output))  # updates new_mean, new_var in place
     stat = _stat_dtype(input)
     dev = input.device
-    return (_like(output, input), _vector(save_mean, stat, dev), _vector(save_invstd, stat, dev),
+    return (output, _vector(save_mean, stat, dev), _vector(save_invstd, stat, dev),
             new_mean if new_mean is not None else _empty(stat, dev),
             new_var if new_var is not None else _empty(stat, dev))
 
