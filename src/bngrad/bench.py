@@ -11,7 +11,7 @@ the same thread count for every contender:
 - **floor**: one fused parallel elementwise pass ``dx = a[c]*dy + b[c]*x`` over arrays of the
   same shape, dtype and thread count, in the input's memory layout, allocating its output like
   every other contender does. No batch-norm backward that returns a new grad_input can beat
-  it: it must read x and dy and write dx too (see DESIGN.md, "Performance model");
+  it: it must read x and dy and write dx too;
 - **floor_in_place**: the same pass into one output allocated up front, so the difference to
   ``floor`` is what fresh memory costs (page faults, the kernel zeroing pages).
 
