@@ -291,7 +291,8 @@ def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
 
     As :func:`fp_batch_norm_grad_s`, with float16 x, dy, dx; mean, invar, scale, dbias and
     dscale may each be float16 or float32, and outputs are written in their buffer's dtype.
-    Sums accumulate in float32 or wider.
+    Sums accumulate in float64; dbias and dscale are rounded to float32, then (for a float16
+    buffer) to float16.
     """
     _batch_norm_grad(x, dy, dx, params, half=True, num_threads=threads_for_core_mask(core_mask))
 
