@@ -75,25 +75,32 @@ _TO_BNGRAD: Dict[Type[nn.Module], Type[nn.Module]] = {
 _TO_TORCH: Dict[Type[nn.Module], Type[nn.Module]] = {v: k for k, v in _TO_BNGRAD.items()}
 
 
+def _share_state(new: nn.Module, module: nn.Module) -> nn.Module:
+    """``new`` (a fresh batch norm) given ``module``'s parameters, buffers, mode and qconfig.
+
+    The very same Parameter and buffer objects are kept, so an optimizer built before the
+    conversion still updates the model, and nothing is copied.
+    """
+    with torch.no_grad():
+        if module.affine:
+            new.weight = module.weight
+            new.bias = module.bias
+        new.running_mean = module.running_mean
+        new.running_var = module.running_var
+        new.num_batches_tracked = module.num_batches_tracked
+    new.train(module.training)
+    if hasattr(module, "qconfig"):
+        new.qconfig = module.qconfig
+    return new
+
+
 def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]]) -> nn.Module:
     new_type = table.get(type(module))
     if new_type is not None:
-        new = new_type(module.num_features, module.eps, module.momentum, module.affine,
-                       module.track_running_stats)
-        # Keep the very same Parameter and buffer objects, so an optimizer built before the
-        # conversion still updates this model, and nothing is copied.
-        with torch.no_grad():
-            if module.affine:
-                new.weight = module.weight
-                new.bias = module.bias
-            new.running_mean = module.running_mean
-            new.running_var = module.running_var
-            new.num_batches_tracked = module.num_batches_tracked
-        new.train(module.training)
+        new = _share_state(new_type(module.num_features, module.eps, module.momentum,
+                                    module.affine, module.track_running_stats), module)
         for hook_dict in ("_forward_pre_hooks", "_forward_hooks"):
             getattr(new, hook_dict).update(getattr(module, hook_dict))
-        if hasattr(module, "qconfig"):
-            new.qconfig = module.qconfig
         module = new
     for name, child in module.named_children():
         module.add_module(name, _swap(child, table))

@@ -33,6 +33,7 @@ import bngrad as _api  # the public core API
 from ..errors import ArgumentValueError, BngradError
 from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
+from .modules import _share_state
 
 __all__ = ["SyncBatchNorm", "CollectiveError"]
 
@@ -291,18 +292,9 @@ class SyncBatchNorm(_BatchNorm):
         """
         out = module
         if isinstance(module, _BatchNorm):
-            out = cls(module.num_features, module.eps, module.momentum, module.affine,
-                      module.track_running_stats, process_group)
-            if module.affine:
-                with torch.no_grad():
-                    out.weight = module.weight
-                    out.bias = module.bias  # None for torch's BatchNorm(bias=False)
-            out.running_mean = module.running_mean
-            out.running_var = module.running_var
-            out.num_batches_tracked = module.num_batches_tracked
-            out.training = module.training
-            if hasattr(module, "qconfig"):
-                out.qconfig = module.qconfig
+            out = _share_state(cls(module.num_features, module.eps, module.momentum,
+                                   module.affine, module.track_running_stats, process_group),
+                               module)
         for name, child in module.named_children():
             out.add_module(name, cls.convert_sync_batchnorm(child, process_group))
         return out
