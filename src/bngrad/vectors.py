@@ -59,11 +59,13 @@ __all__ = [
     "OutputComparison",
     "UnusableInputError",
     "compare",
+    "compare_output",
     "default_tolerances",
     "expected_outputs",
     "generate",
     "load_vectors",
     "read_output",
+    "save_vectors",
     "write_vectors",
 ]
 
@@ -135,6 +137,18 @@ def expected_outputs(x: Any, dy: Any, mean: Any, invar: Any, scale: Any, train: 
 
     Train mode is PyTorch's backward with ``save_mean=mean, save_invstd=invar``; eval mode is
     ``dx = dy * invar * scale`` with the sums of the same reduce step.
+
+    Parameters
+    ----------
+    x, dy : array_like (batch, channel)
+    mean, invar, scale : array_like (channel,)
+    train : bool
+        is_train: ``mean``/``invar`` are the batch's statistics (True) or running ones (False).
+
+    Returns
+    -------
+    dict
+        ``{"dx": (batch, channel), "dbias": (channel,), "dscale": (channel,)}``, float64.
     """
     if train:
         dx, dscale, dbias = reference.batch_norm_backward(
@@ -307,6 +321,12 @@ def generate(batch: int, channel: int, dtype: str = "fp32", *, train: bool = Tru
     Returns
     -------
     GoldenVectors
+
+    Raises
+    ------
+    ArgumentValueError, ArgumentTypeError
+        A bad argument, or ``dist="exact"`` for sizes it cannot keep exact (an odd batch, or
+        sums too large for the dtype); the message says which and what to do.
     """
     batch = positive_int("batch", batch)
     channel = positive_int("channel", channel)
@@ -526,6 +546,8 @@ class OutputComparison:
 
 @dataclass
 class ComparisonReport:
+    """The result of :func:`compare`: one :class:`OutputComparison` per output compared."""
+
     outputs: list[OutputComparison]
 
     @property
@@ -610,6 +632,9 @@ def compare(vectors: Union[GoldenVectors, PathLike],
     ------
     UnusableInputError
         Missing file, wrong size or dtype, unreadable vectors.
+    ArgumentValueError, ArgumentTypeError
+        No outputs, an unknown output name, a negative or non-numeric tolerance, or ``ulp``
+        together with ``atol``/``rtol``.
     """
     atol, rtol, ulp = (_non_negative(n, v) for n, v in (("atol", atol), ("rtol", rtol),
                                                          ("ulp", ulp)))
