@@ -31,7 +31,7 @@ from __future__ import annotations
 import numbers
 import os
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 import numpy as np
 
@@ -86,6 +86,10 @@ class BatchNormGradParams:
                 self.batch, self.channel, int(self.is_train), 0, 0, 0, 0]
 
 
+#: What ``params`` may be: a sequence in the C layout, a 1-D object array, or the dataclass.
+Params = Union[Sequence[Any], np.ndarray, BatchNormGradParams]
+
+
 # --------------------------------------------------------------------------- validation
 
 def _is_train(value: Any) -> bool:
@@ -100,6 +104,16 @@ def _is_train(value: Any) -> bool:
 
 def threads_for_core_mask(core_mask: Any) -> int:
     """Worker threads for a DSP core mask: its number of set bits, capped at the CPU count.
+
+    Parameters
+    ----------
+    core_mask : int
+        Bit mask of DSP cores, e.g. 0xFF for eight.
+
+    Returns
+    -------
+    int
+        The number of set bits, at most ``os.cpu_count()``.
 
     Raises
     ------
@@ -258,7 +272,7 @@ def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
 
 # --------------------------------------------------------------------------- public API
 
-def fp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: Sequence[Any],
+def fp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: Params,
                          core_mask: int = 0xFF) -> None:
     """BatchNormGrad, float32, shared storage: on one thread per core set in ``core_mask``.
 
@@ -269,7 +283,7 @@ def fp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
         least batch*channel elements (only those are used) or (batch, channel) arrays.
     dx : ndarray, float32, writable
         Output, same form as x. May be ``dy`` (or ``x``) itself; may not overlap them partly.
-    params : sequence or BatchNormGradParams
+    params : sequence, 1-D object array or BatchNormGradParams
         ``[mean, invar, scale, dbias, dscale, batch, channel, is_train, ...]``: float32
         buffers of at least ``channel`` elements (dbias and dscale writable, and written),
         two ints > 0 and 0/1. Entries 8..11 are ignored.
@@ -285,7 +299,7 @@ def fp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
     _batch_norm_grad(x, dy, dx, params, half=False, num_threads=threads_for_core_mask(core_mask))
 
 
-def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: Sequence[Any],
+def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: Params,
                          core_mask: int = 0xFF) -> None:
     """BatchNormGrad, float16, shared storage (multi-core).
 
@@ -298,7 +312,7 @@ def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
 
 
 def fp_batch_norm_grad_p(x: np.ndarray, dy: np.ndarray, dx: np.ndarray,
-                         params: Sequence[Any]) -> None:
+                         params: Params) -> None:
     """BatchNormGrad, float32, private storage: one core.
 
     Arguments as :func:`fp_batch_norm_grad_s`, without ``core_mask``.
@@ -307,7 +321,7 @@ def fp_batch_norm_grad_p(x: np.ndarray, dy: np.ndarray, dx: np.ndarray,
 
 
 def hp_batch_norm_grad_p(x: np.ndarray, dy: np.ndarray, dx: np.ndarray,
-                         params: Sequence[Any]) -> None:
+                         params: Params) -> None:
     """BatchNormGrad, float16, private storage: one core.
 
     Arguments as :func:`hp_batch_norm_grad_s`, without ``core_mask``.
