@@ -236,9 +236,11 @@ def _batch_norm_grad(x: Any, dy: Any, dx: Any, params: Any, half: bool,
                    for i, name in enumerate(PARAM_SLOTS[:5])}
     _check_overlaps(data, per_channel)
 
-    # float16 -> float32 is exact, so the core sees the caller's values and returns float32
-    # sums, rounded once into each output buffer's own dtype.
-    mean, invar, scale = (per_channel[n].astype(FLOAT32) for n in ("mean", "invar", "scale"))
+    # Widening is exact, so the core sees the caller's values. With float16 data the core takes
+    # float64 parameters and returns float64 sums, which are then rounded once into each output
+    # buffer's own dtype (float32 sums would be rounded twice into a float16 buffer).
+    wide = np.float64 if half else FLOAT32
+    mean, invar, scale = (per_channel[n].astype(wide) for n in ("mean", "invar", "scale"))
     dscale, dbias = _compute(data["x"], data["dy"], data["dx"], mean, invar, scale, train,
                              num_threads)
     np.copyto(per_channel["dbias"], dbias, casting="same_kind")
@@ -248,7 +250,8 @@ def _batch_norm_grad(x: Any, dy: Any, dx: Any, params: Any, half: bool,
 def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
              invar: np.ndarray, scale: np.ndarray, train: bool, num_threads: int
              ) -> tuple[np.ndarray, np.ndarray]:
-    """Write dx; return (dscale, dbias). Validated (batch, channel) data, float32 per-channel.
+    """Write dx; return (dscale, dbias). Validated (batch, channel) data; per-channel arrays
+    float32 (fp_) or float64 (hp_).
 
     dx may be x or dy itself: both paths take the sums before they write dx.
     """
@@ -305,8 +308,7 @@ def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
 
     As :func:`fp_batch_norm_grad_s`, with float16 x, dy, dx; mean, invar, scale, dbias and
     dscale may each be float16 or float32, and outputs are written in their buffer's dtype.
-    Sums accumulate in float64; dbias and dscale are rounded to float32, then (for a float16
-    buffer) to float16.
+    Sums accumulate in float64 and are rounded once into each output buffer.
     """
     _batch_norm_grad(x, dy, dx, params, half=True, num_threads=threads_for_core_mask(core_mask))
 
