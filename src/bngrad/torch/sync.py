@@ -272,7 +272,7 @@ class SyncBatchNorm(_BatchNorm):
             world = dist.get_world_size(group)
         if world <= 1:
             return batch_norm(input, running_mean, running_var, self.weight, self.bias,
-                                     bn_training, factor, self.eps)
+                              bn_training, factor, self.eps)
 
         layer = f"{type(self).__name__}({self.num_features})"
         if self._checked_group != id(group):
