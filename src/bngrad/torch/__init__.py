@@ -8,7 +8,8 @@
   ``torch.compile`` and ``torch.export``.
 
 CPU tensors only; tensors on other devices are handed to PyTorch's own batch norm with a
-one-time warning. Requires the optional dependency: ``pip install bngrad[torch]``.
+one-time warning (SyncBatchNorm across several ranks raises instead: it is the CPU's
+counterpart of torch.nn.SyncBatchNorm, which serves GPUs). Requires the optional dependency: ``pip install bngrad[torch]``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ except ImportError as exc:
 from . import ops  # noqa: E402  (registers torch.ops.bngrad.*)
 from .functional import batch_norm  # noqa: E402
 from .modules import BatchNorm1d, BatchNorm2d, BatchNorm3d, convert, revert  # noqa: E402
-from .sync import SyncBatchNorm  # noqa: E402
+from .sync import CollectiveError, SyncBatchNorm  # noqa: E402
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "batch_norm", "convert",
-           "ops", "revert"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "CollectiveError", "SyncBatchNorm",
+           "batch_norm", "convert", "ops", "revert"]

@@ -35,7 +35,7 @@ from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
 from .modules import _share_state
 
-__all__ = ["SyncBatchNorm", "CollectiveError"]
+__all__ = ["SyncBatchNorm", "CollectiveError", "combine_moments"]
 
 
 class CollectiveError(BngradError, RuntimeError):
