@@ -33,6 +33,9 @@ TILE = 1 << 14
 # Channels-last reductions handle at most this many channels per task, so that each task's
 # partial sums stay in L1 and wide tensors still split into many tasks.
 COLUMN_GROUP = 512
+# Row blocks per channels-last reduction: enough tasks for 64 threads, partial sums of
+# 2 * 64 * C float64 at most.
+MAX_ROW_BLOCKS = 64
 # Channels-last arrays narrower than this are folded, and channels-first arrays with runs
 # shorter than SHORT_RUN are viewed as rows of lanes (see module docstring).
 NARROW = 16
@@ -58,6 +61,14 @@ def _channels_last_tiles(C: int) -> tuple[int, int]:
     """(rows per block, columns per group) of a channels-last tile."""
     cols = min(C, COLUMN_GROUP)
     return max(1, TILE // max(cols, 1)), cols
+
+
+def _channels_last_reduce_tiles(M: int, C: int) -> tuple[int, int]:
+    """As _channels_last_tiles, but at most MAX_ROW_BLOCKS row blocks, so that the partial
+    sums take O(C) memory however many rows there are. (Elementwise passes keep the smaller
+    blocks: tall blocks of a wide array alias in the cache.)"""
+    rows, cols = _channels_last_tiles(C)
+    return max(rows, _ceil_div(M, MAX_ROW_BLOCKS)), cols
 
 
 def _uses_lanes(x: np.ndarray) -> bool:
@@ -108,7 +119,7 @@ def _spread(values: np.ndarray, lanes) -> np.ndarray:
 
 def _reduce_lanes(x, dy, mean, shift):
     M, L = x.shape
-    rows, cols = _channels_last_tiles(L)
+    rows, cols = _channels_last_reduce_tiles(M, L)
     partial = np.empty((_ceil_div(M, rows), 2, L))
     k.reduce_channels_last(x, dy, mean, shift, rows, cols, partial)
     sum_dy, sum_dy_xmu = np.empty(L), np.empty(L)
