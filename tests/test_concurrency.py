@@ -150,3 +150,45 @@ def test_multiprocessing_fork_context_after_parent_called():
             if p.is_alive():
                 p.kill()
                 p.join(5)
+
+
+_WORKQUEUE_SCRIPT = """
+import threading
+import numpy as np
+import bngrad
+from bngrad import _threads
+
+assert not _threads._LAUNCH_IS_THREAD_SAFE, "workqueue launches must be serialised"
+rng = np.random.default_rng(0)
+arrays = [(rng.standard_normal((8, 16, 50)).astype(np.float32),
+           rng.standard_normal((8, 16, 50)).astype(np.float32)) for _ in range(4)]
+expected = [bngrad.batch_norm_backward(dy, x, num_threads=1) for dy, x in arrays]
+failures = []
+
+def worker(i):
+    dy, x = arrays[i]
+    for _ in range(20):
+        got = bngrad.batch_norm_backward(dy, x, num_threads=2)
+        if not all(np.array_equal(g, e) for g, e in zip(got, expected[i])):
+            failures.append(i)
+
+threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not failures, failures
+print("layer", _threads.threading_layer())
+"""
+
+
+def test_workqueue_fallback_is_serialised_and_correct():
+    """Without TBB (here: the user forces workqueue), concurrent calls take turns, correctly."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
+    result = subprocess.run([sys.executable, "-c", _WORKQUEUE_SCRIPT], env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "layer workqueue" in result.stdout
