@@ -15,7 +15,7 @@ from torch.autograd import gradcheck, gradgradcheck  # noqa: E402
 import bngrad  # noqa: E402
 import bngrad.torch as bt  # noqa: E402
 from bngrad import reference  # noqa: E402
-from bngrad.torch import _convert, functional  # noqa: E402
+from bngrad.torch import _convert, _eager, functional  # noqa: E402
 from conftest import from_torch  # noqa: E402
 from tolerances import assert_close, backward_scales  # noqa: E402
 
@@ -49,10 +49,18 @@ def _inputs(shape, dtype=torch.float64, param_dtype=None, with_weight=True, seed
 GRAD_CASES = [(nd, layout) for nd in (2, 3, 4, 5) for layout in ("contig", "chlast") if nd > 2 or layout == "contig"]
 
 
+@pytest.fixture(params=["eager", "op"])
+def path(request, monkeypatch):
+    """Run bt.batch_norm on its eager path, or on the custom ops as traced code does."""
+    if request.param == "op":
+        monkeypatch.setattr(_eager, "applies", lambda input: False)
+    return request.param
+
+
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "noweight"])
 @pytest.mark.parametrize("ndim,layout", GRAD_CASES, ids=[f"{n}d-{lay}" for n, lay in GRAD_CASES])
-def test_gradcheck_and_gradgradcheck(ndim, layout, with_weight, train):
+def test_gradcheck_and_gradgradcheck(ndim, layout, with_weight, train, path):
     x, w, b, rm, rv = _inputs(SHAPES[ndim], with_weight=with_weight)
     x = _layout(x, layout).requires_grad_()
     params = [t.requires_grad_() for t in (w, b) if t is not None]
@@ -81,10 +89,33 @@ def _third_order_fn(impl, train, with_weight):
 
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "noweight"])
-def test_third_order_is_exact(train, with_weight):
+def test_third_order_is_exact(train, with_weight, path):
     # gradgradcheck of a first derivative checks the third derivative of batch norm.
     first, inputs = _third_order_fn(bt.batch_norm, train, with_weight)
     assert gradgradcheck(first, inputs)
+
+
+def _bngrad_ops_called(fn) -> set:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return {e.key for e in prof.key_averages() if e.key.startswith("bngrad::")}
+
+
+def test_eager_calls_skip_the_custom_ops_unless_differentiated_twice():
+    x, w, b, rm, rv = _inputs((4, 3, 5, 5))
+    x.requires_grad_()
+    w.requires_grad_()
+
+    def first_order():
+        bt.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5).square().sum().backward()
+
+    def second_order():
+        y = bt.batch_norm(x, rm, rv, w, b, True, 0.1, 1e-5)
+        (gx,) = torch.autograd.grad(y.square().sum(), (x,), create_graph=True)
+        gx.sum().backward()
+
+    assert _bngrad_ops_called(first_order) == set()
+    assert "bngrad::batch_norm_forward" in _bngrad_ops_called(second_order)
 
 
 def test_third_order_check_detects_pytorchs_error():

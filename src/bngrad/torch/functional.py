@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import _eager
 from . import ops  # noqa: F401  (registers torch.ops.bngrad.*)
 from ._convert import is_supported_device
 
@@ -75,6 +76,10 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
                             eps)
     if training:
         _verify_batch_size(input.shape)
+    if _eager.applies(input):  # eager mode: straight to the NumPy API (see bngrad.torch._eager)
+        return _eager.batch_norm(input, running_mean, running_var, weight, bias, bool(training),
+                                 float(momentum), float(eps))
+    # traced (torch.compile, torch.export, jit.trace, functorch): the custom op
     output, _, _, new_mean, new_var = torch.ops.bngrad.batch_norm_forward(
         input, weight, bias, running_mean, running_var, bool(training), float(momentum),
         float(eps))

@@ -1,0 +1,110 @@
+"""The eager-mode path of ``bngrad.torch.batch_norm``: an autograd.Function on the NumPy API.
+
+``torch.ops.bngrad.*`` (see :mod:`bngrad.torch.ops`) are what compilers and exporters trace.
+Calling them eagerly costs a dispatcher round trip, argument normalisation and functional
+copies of the running statistics on every forward and backward, a fixed ~100-200 us per layer
+and step that is as large as the kernels themselves on small feature maps. Eager calls on plain
+CPU tensors therefore take this path: one Function whose forward and backward call
+:func:`bngrad.batch_norm_forward` and :func:`bngrad.batch_norm_backward` on NumPy views of the
+tensors, updating the running statistics in place.
+
+Higher derivatives: when the backward itself is differentiated (``create_graph=True``, e.g.
+gradient penalties, gradgradcheck), the backward recomputes the forward with the custom op,
+whose graph is differentiable to any order, and differentiates that. Both paths compute the
+same numbers with the same kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import bngrad
+
+from ._convert import from_numpy, to_numpy, to_numpy_optional
+
+__all__ = ["applies", "batch_norm"]
+
+
+def applies(input: Tensor) -> bool:
+    """Whether this path may run: a plain tensor, outside any tracer or functorch transform."""
+    return (type(input) is Tensor and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()
+            and not torch._C._are_functorch_transforms_active())
+
+
+def _as(array, like: Optional[Tensor]):
+    """A (C,) result of the NumPy API as a tensor in ``like``'s dtype (None if not needed)."""
+    if array is None or like is None:
+        return None
+    tensor = from_numpy(array)
+    return tensor if tensor.dtype == like.dtype else tensor.to(like.dtype)
+
+
+def _forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """(output, save_mean, save_invstd); running statistics updated in place in training."""
+    output = torch.empty_like(input)
+    _, save_mean, save_invstd = bngrad.batch_norm_forward(
+        to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
+        to_numpy_optional(bias, "bias"), to_numpy_optional(running_mean, "running_mean"),
+        to_numpy_optional(running_var, "running_var"), train=training, momentum=momentum,
+        eps=eps, out=to_numpy(output))
+    return output, save_mean, save_invstd
+
+
+class _BatchNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, input, weight, bias, running_mean, running_var, training, momentum, eps):
+        output, save_mean, save_invstd = _forward(input, weight, bias, running_mean,
+                                                  running_var, training, momentum, eps)
+        ctx.training, ctx.eps = training, eps
+        # Eval mode normalises with the running statistics, which the backward needs too
+        # (train mode changes them in place, and does not need them).
+        stats = (None, None) if training else (running_mean, running_var)
+        ctx.save_for_backward(input, weight, bias, *stats)
+        ctx.save_mean, ctx.save_invstd = save_mean, save_invstd  # NumPy arrays, not tensors
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        input, weight, bias, running_mean, running_var = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = (need[0], need[1] and weight is not None, need[2] and bias is not None)
+        if torch.is_grad_enabled():
+            return _differentiable_backward(ctx, grad_out, mask) + (None,) * 5
+        if grad_out.dtype != input.dtype:  # autograd may hand over a grad of another dtype
+            grad_out = grad_out.to(input.dtype)
+        grad_input = torch.empty_like(input) if mask[0] else None
+        _, grad_weight, grad_bias = bngrad.batch_norm_backward(
+            to_numpy(grad_out, "grad_out"), to_numpy(input, "input"),
+            to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),
+            to_numpy_optional(running_var, "running_var"), ctx.save_mean, ctx.save_invstd,
+            train=ctx.training, eps=ctx.eps, output_mask=mask,
+            out=None if grad_input is None else to_numpy(grad_input))
+        return (grad_input, _as(grad_weight, weight), _as(grad_bias, bias)) + (None,) * 5
+
+
+def _differentiable_backward(ctx, grad_out, mask):
+    """The backward as a graph that can be differentiated again: the forward is recomputed
+    with the custom op (running statistics left alone) and differentiated by autograd."""
+    input, weight, bias, running_mean, running_var = ctx.saved_tensors
+    wanted = [t for t, m in zip((input, weight, bias), mask) if m]
+    if not wanted:
+        return None, None, None
+    output = torch.ops.bngrad.batch_norm_forward(
+        input, weight, bias, None if ctx.training else running_mean,
+        None if ctx.training else running_var, ctx.training, 0.0, ctx.eps)[0]
+    grads = iter(torch.autograd.grad(output, wanted, grad_out, create_graph=True,
+                                     allow_unused=True))
+    return tuple(next(grads) if m else None for m in mask)
+
+
+def batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps):
+    """``bngrad.torch.batch_norm`` on plain CPU tensors in eager mode (see module docstring)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (input, weight, bias)):
+        return _BatchNorm.apply(input, weight, bias, running_mean, running_var, training,
+                                momentum, eps)
+    return _forward(input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
