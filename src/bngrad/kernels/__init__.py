@@ -40,8 +40,10 @@ COLUMN_GROUP = 8192
 # Row blocks per channels-last reduction: enough tasks for 64 threads...
 MAX_ROW_BLOCKS = 64
 # ...but at most this many bytes of float64 partial sums (2 per lane per block), so that
-# extra memory stays O(lanes) however many rows there are.
+# extra memory stays O(lanes) however many rows there are, and at least this many rows per
+# block, so that writing and combining the partial sums stays cheap next to reading the rows.
 PARTIAL_BYTES = 1 << 21
+MIN_BLOCK_ROWS = 32
 # Channels-last pieces narrower than these are folded (see module docstring), and
 # channels-first arrays with runs shorter than SHORT_RUN are viewed as rows of lanes.
 FOLD_LANES = 4096
@@ -71,10 +73,11 @@ def _channels_last_tiles(L: int) -> tuple[int, int]:
 
 def _channels_last_reduce_tiles(M: int, L: int) -> tuple[int, int]:
     """(rows per block, lanes per group) of a channels-last reduction tile: at least TILE
-    elements, at most MAX_ROW_BLOCKS blocks and PARTIAL_BYTES of partial sums."""
+    elements and MIN_BLOCK_ROWS rows, at most MAX_ROW_BLOCKS blocks and PARTIAL_BYTES of
+    partial sums."""
     cols = min(L, COLUMN_GROUP)
-    blocks = min(MAX_ROW_BLOCKS, max(1, PARTIAL_BYTES // (16 * max(L, 1))),
-                 max(1, M * cols // TILE))
+    blocks = max(1, min(MAX_ROW_BLOCKS, PARTIAL_BYTES // (16 * max(L, 1)),
+                        M * cols // TILE, M // MIN_BLOCK_ROWS))
     return _ceil_div(M, blocks), cols
 
 
