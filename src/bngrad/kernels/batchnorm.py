@@ -173,6 +173,109 @@ def backward_channels_first_fused(x, dy, out, mean, invstd, weight, count, rows,
                        coef[3, c], 0, B)
 
 
+# Short runs (32 <= B < 64, e.g. 7x7 maps): one run at a time spends most of its time in the
+# scalar loop tail (49 = 32 + 17 scalar steps), so these kernels take a group of channels,
+# whose runs are contiguous in every row, as one row of lanes.
+
+@njit(fastmath={"reassoc"}, **_JIT)
+def _lanes_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, m, s, psd, psx):
+    for i in range(d0.shape[0]):
+        mi = m[i]
+        si = s[i]
+        e0 = np.float64(to_float(d0[i])) - si
+        e1 = np.float64(to_float(d1[i])) - si
+        e2 = np.float64(to_float(d2[i])) - si
+        e3 = np.float64(to_float(d3[i])) - si
+        psd[i] += (e0 + e1) + (e2 + e3)
+        psx[i] += ((e0 * (np.float64(to_float(x0[i])) - mi)
+                    + e1 * (np.float64(to_float(x1[i])) - mi))
+                   + (e2 * (np.float64(to_float(x2[i])) - mi)
+                      + e3 * (np.float64(to_float(x3[i])) - mi)))
+
+
+@njit(fastmath={"reassoc"}, **_JIT)
+def _lanes_row(xr, dr, m, s, psd, psx):
+    for i in range(dr.shape[0]):
+        d = np.float64(to_float(dr[i])) - s[i]
+        psd[i] += d
+        psx[i] += d * (np.float64(to_float(xr[i])) - m[i])
+
+
+@njit(parallel=True, **_JIT)
+def reduce_channels_first_short(x, dy, mean, shift, rows, group, partial):
+    """partial[j, 0, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over rows block j.
+
+    One task per (rows block j, group of channels): the group's lanes x[a, c0:c1, :] are
+    summed over the block's rows (four at a time, in order) into per-lane float64 sums, then
+    each channel adds its B lanes in order.
+    """
+    A, C, B = x.shape
+    n_groups = (C + group - 1) // group
+    for item in prange(partial.shape[0] * n_groups):
+        g = item % n_groups
+        j = item // n_groups
+        c0 = g * group
+        c1 = min(C, c0 + group)
+        n = (c1 - c0) * B
+        m = np.empty(n)
+        s = np.empty(n)
+        for c in range(c0, c1):
+            m[(c - c0) * B:(c - c0 + 1) * B] = mean[c]
+            s[(c - c0) * B:(c - c0 + 1) * B] = shift[c]
+        psd = np.zeros(n)
+        psx = np.zeros(n)
+        # Rows of a C-contiguous 2-D view, so that Numba knows they are contiguous and vectorises.
+        x2 = x.reshape(A, C * B)
+        d2 = dy.reshape(A, C * B)
+        l0 = c0 * B
+        l1 = c1 * B
+        a = j * rows
+        a1 = min(A, a + rows)
+        while a + 4 <= a1:
+            _lanes_4_rows(x2[a, l0:l1], x2[a + 1, l0:l1], x2[a + 2, l0:l1], x2[a + 3, l0:l1],
+                          d2[a, l0:l1], d2[a + 1, l0:l1], d2[a + 2, l0:l1], d2[a + 3, l0:l1],
+                          m, s, psd, psx)
+            a += 4
+        while a < a1:
+            _lanes_row(x2[a, l0:l1], d2[a, l0:l1], m, s, psd, psx)
+            a += 1
+        for c in range(c0, c1):
+            sd = 0.0
+            sx = 0.0
+            for i in range((c - c0) * B, (c - c0 + 1) * B):
+                sd += psd[i]
+                sx += psx[i]
+            partial[j, 0, c, 0] = sd
+            partial[j, 0, c, 1] = sx
+
+
+@njit(parallel=True, **_JIT)
+def elemt_channels_first_short(x, dy, out, coef, group, train):
+    """One task per (row, group of channels): no index arithmetic per run."""
+    A, C, B = dy.shape
+    n_groups = (C + group - 1) // group
+    for item in prange(A * n_groups):
+        g = item % n_groups
+        a = item // n_groups
+        for c in range(g * group, min(C, g * group + group)):
+            if train:
+                _apply_run(x[a, c], dy[a, c], out[a, c], coef[0, c], coef[1, c], coef[2, c],
+                           coef[3, c], 0, B)
+            else:
+                _scale_run(dy[a, c], out[a, c], coef[0, c], 0, B)
+
+
+@njit(parallel=True, **_JIT)
+def normalize_channels_first_short(x, out, coef, group):
+    A, C, B = x.shape
+    n_groups = (C + group - 1) // group
+    for item in prange(A * n_groups):
+        g = item % n_groups
+        a = item // n_groups
+        for c in range(g * group, min(C, g * group + group)):
+            _normalize_run(x[a, c], out[a, c], coef[0, c], coef[2, c], coef[3, c], 0, B)
+
+
 @njit(**_JIT)
 def _run_of(item, C, B, seg):
     """(a, c, b0, b1): the item-th segment of the runs of an (A, C, B) array."""
