@@ -21,6 +21,9 @@ coefficients are spread over the lanes.
 
 from __future__ import annotations
 
+import math
+import threading
+
 import numpy as np
 
 from .._threads import current_num_threads
@@ -62,6 +65,23 @@ SHORT_GROUP_LANES = 1536
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+_scratch = threading.local()
+
+
+def _partial_sums(shape: tuple[int, ...]) -> np.ndarray:
+    """A float64 array for a reduction's partial sums, reused by this thread's next calls.
+
+    The kernels overwrite every element, and each call is done with it before the next starts.
+    A fresh one per call would be handed out by the allocator as new pages (mmap) and cost
+    page faults every time: (65536, 64) float32 backward 1.89 -> 1.68 ms, 13 -> 2 faults a call.
+    """
+    n = math.prod(shape)
+    buffer = getattr(_scratch, "partial", None)
+    if buffer is None or buffer.size < n:
+        buffer = _scratch.partial = np.empty(n)
+    return buffer[:n].reshape(shape)
 
 
 def _channels_first_tiles(A: int, B: int) -> tuple[int, int]:
@@ -142,7 +162,7 @@ def _spread(values: np.ndarray, lanes) -> np.ndarray:
 def _reduce_lanes(x, dy, mean, shift):
     M, L = x.shape
     rows, cols = _channels_last_reduce_tiles(M, L)
-    partial = np.empty((_ceil_div(M, rows), 2, L))
+    partial = _partial_sums((_ceil_div(M, rows), 2, L))
     k.reduce_channels_last(x, dy, mean, shift, rows, cols, partial)
     sum_dy, sum_dy_xmu = np.empty(L), np.empty(L)
     k.combine_channels_last(partial, sum_dy, sum_dy_xmu)
@@ -161,7 +181,7 @@ def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, shift: np.ndarray | 
     if not _uses_lanes(x):
         A, _, B = x.shape
         rows, seg = _channels_first_tiles(A, B)
-        partial = np.empty((_ceil_div(A, rows), _ceil_div(B, seg), C, 2))
+        partial = _partial_sums((_ceil_div(A, rows), _ceil_div(B, seg), C, 2))
         if B < FUSED_MIN_RUN:  # never fused, so its own order (see SHORT_GROUP_LANES)
             k.reduce_channels_first_short(x, dy, mean, shift, rows, _short_group(B), partial)
         else:
