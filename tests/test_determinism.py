@@ -29,9 +29,12 @@ SHAPES = [
     ("largeC-3000x700", (3000, 700), 1, "contig"),
     ("nhwc-8x64x16x16", (8, 64, 16, 16), 1, "chlast"),
     ("smallC-chfirst-4x2x30000", (4, 2, 30000), 1, "contig"),
-    # short runs (32 <= B < 64): several channel groups, a 4-row tail; several row blocks
+    # short runs (32 <= B < 256): several channel groups, a 4-row tail; several row blocks
     ("shortrun-6x40x7x7", (6, 40, 7, 7), 1, "contig"),
     ("shortrun-262x3x63", (262, 3, 63), 1, "contig"),
+    # runs >= 256 with C = 8: fused per channel on 1-2 threads (C >= 4 * threads), two passes
+    # on 3-4, which must give the same bits
+    ("fused-or-not-5x8x300", (5, 8, 300), 1, "contig"),
 ]
 VARIANTS = ["float32", "bfloat16-p32", "float64", "float16"]
 PATHS = ["backward-train", "backward-nostats", "backward-grads-only", "backward-input-only",

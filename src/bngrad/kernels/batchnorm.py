@@ -173,9 +173,10 @@ def backward_channels_first_fused(x, dy, out, mean, invstd, weight, count, rows,
                        coef[3, c], 0, B)
 
 
-# Short runs (32 <= B < 64, e.g. 7x7 maps): one run at a time spends most of its time in the
-# scalar loop tail (49 = 32 + 17 scalar steps), so these kernels take a group of channels,
-# whose runs are contiguous in every row, as one row of lanes.
+# Short runs (32 <= B < 256, e.g. 7x7 or 14x14 maps; see FUSED_MIN_RUN): one run at a time
+# spends most of its time in per-run overhead and loop tails (49 = 32 + 17 scalar steps), so
+# these kernels take a group of channels, whose runs are contiguous in every row, as one row of
+# lanes.
 
 @njit(fastmath={"reassoc"}, **_JIT)
 def _lanes_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, m, s, psd, psx):
