@@ -77,8 +77,9 @@ def _partial_sums(shape: tuple[int, ...]) -> np.ndarray:
     """A float64 array for a reduction's partial sums, reused by this thread's next calls.
 
     The kernels overwrite every element, and each call is done with it before the next starts.
-    A fresh one per call would be handed out by the allocator as new pages (mmap) and cost
-    page faults every time: (65536, 64) float32 backward 1.89 -> 1.68 ms, 13 -> 2 faults a call.
+    A fresh one per call can come from the allocator as new pages (mmap) and cost page faults
+    every time: 13 faults per (65536, 64) float32 backward alternating with another large
+    allocation, 0.7 with this buffer; (256, 4096) backward 0.43 -> 0.40 ms.
     """
     n = math.prod(shape)
     buffer = getattr(_scratch, "partial", None)

@@ -28,11 +28,14 @@ from ._convert import from_numpy, to_numpy, to_numpy_optional
 __all__ = ["applies", "batch_norm"]
 
 
+# A private torch function (present in the pinned 2.13); without it, assume no transform.
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+
+
 def applies(input: Tensor) -> bool:
     """Whether this path may run: a plain tensor, outside any tracer or functorch transform."""
     return (type(input) is Tensor and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing()
-            and not torch._C._are_functorch_transforms_active())
+            and not torch.jit.is_tracing() and not _functorch_active())
 
 
 def _as(array, like: Optional[Tensor]):
