@@ -161,13 +161,19 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     stat_dtype = check.FLOAT32 if check.is_half(input.dtype) else input.dtype
     count = _count(input, axis)
 
+    compute = kernels.compute_dtype(input.dtype)
+    scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
     with parallel_region(threads), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
         layout = plan(input, None, axis)
+        out_kernel, output = layout.output(input.shape, input.dtype, out)
+        fused = None  # (mean, var) where one kernel wrote both them and the output
         if train:
             if count == 0:
                 mean, var = np.full(n_channels, np.nan), np.full(n_channels, np.nan)
             else:
-                mean, var = _moments(layout.x, input, axis, count)
+                fused = kernels.forward_train(layout.x, out_kernel, scale_weight, shift_bias, eps,
+                                              count, compute)
+                mean, var = fused if fused is not None else _moments(layout.x, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
             if running_mean is not None and count > 0:
                 running_mean[...] = (1 - momentum) * running_mean + momentum * mean
@@ -177,11 +183,9 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
                 running_var[...] = (1 - momentum) * running_var + momentum * unbiased
         else:
             mean, invstd = _eval_stats(running_mean, running_var, eps)
-        scale = invstd * _f64(weight, n_channels, 1.0)
-        coef = np.stack([scale, scale, _f64(bias, n_channels, 0.0), mean]).astype(
-            kernels.compute_dtype(input.dtype))
-        out_kernel, output = layout.output(input.shape, input.dtype, out)
-        if input.size:
+        if fused is None and input.size:
+            scale = invstd * scale_weight
+            coef = np.stack([scale, scale, shift_bias, mean]).astype(compute)
             kernels.normalize(layout.x, out_kernel, coef)
     output = finish_output(output, out)
 

@@ -173,6 +173,48 @@ def backward_channels_first_fused(x, dy, out, mean, invstd, weight, count, rows,
                        coef[3, c], 0, B)
 
 
+@njit(parallel=True, **_JIT)
+def forward_channels_first_fused(x, out, weight, bias, eps, count, rows, seg, mean, var, coef):
+    """Training forward of float64 data, one channel per task: its corrected two-pass moments
+    (the first pass's mean is the shift of the second), then its output, all while the channel
+    is in cache. Same tiles, order and arithmetic as reduce_channels_first (twice) followed by
+    the moments, coefficients and normalize_channels_first that bngrad.api computes otherwise,
+    so both give the same bits.
+    """
+    A, C, B = x.shape
+    n_blocks = (A + rows - 1) // rows
+    n_segs = (B + seg - 1) // seg
+    for c in prange(C):
+        total = 0.0
+        for j in range(n_blocks):
+            for t in range(n_segs):
+                total += _tile_sums(x, x, 0.0, 0.0, c, j * rows, min(A, j * rows + rows),
+                                    t * seg, min(B, t * seg + seg))[0]
+        s = total / count
+        sd = 0.0
+        sx = 0.0
+        for j in range(n_blocks):
+            for t in range(n_segs):
+                p, q = _tile_sums(x, x, s, s, c, j * rows, min(A, j * rows + rows),
+                                  t * seg, min(B, t * seg + seg))
+                sd += p
+                sx += q
+        m = s + sd / count
+        v = sx - sd * sd / count
+        if v < 0.0:  # not max(): a NaN must stay NaN, as with np.maximum
+            v = 0.0
+        v = v / count
+        mean[c] = m
+        var[c] = v
+        scale = 1.0 / np.sqrt(v + eps) * weight[c]
+        coef[0, c] = scale
+        coef[1, c] = scale
+        coef[2, c] = bias[c]
+        coef[3, c] = m
+        for r in range(A):
+            _normalize_run(x[r, c], out[r, c], coef[0, c], coef[2, c], coef[3, c], 0, B)
+
+
 # Short runs (32 <= B < 256, e.g. 7x7 or 14x14 maps; see FUSED_MIN_RUN): one run at a time
 # spends most of its time in per-run overhead and loop tails (49 = 32 + 17 scalar steps), so
 # these kernels take a group of channels, whose runs are contiguous in every row, as one row of
