@@ -220,30 +220,6 @@ def forward_channels_first_fused(x, out, weight, bias, eps, count, rows, seg, me
 # these kernels take a group of channels, whose runs are contiguous in every row, as one row of
 # lanes.
 
-@njit(fastmath={"reassoc"}, **_JIT)
-def _lanes_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, m, s, psd, psx):
-    for i in range(d0.shape[0]):
-        mi = m[i]
-        si = s[i]
-        e0 = np.float64(to_float(d0[i])) - si
-        e1 = np.float64(to_float(d1[i])) - si
-        e2 = np.float64(to_float(d2[i])) - si
-        e3 = np.float64(to_float(d3[i])) - si
-        psd[i] += (e0 + e1) + (e2 + e3)
-        psx[i] += ((e0 * (np.float64(to_float(x0[i])) - mi)
-                    + e1 * (np.float64(to_float(x1[i])) - mi))
-                   + (e2 * (np.float64(to_float(x2[i])) - mi)
-                      + e3 * (np.float64(to_float(x3[i])) - mi)))
-
-
-@njit(fastmath={"reassoc"}, **_JIT)
-def _lanes_row(xr, dr, m, s, psd, psx):
-    for i in range(dr.shape[0]):
-        d = np.float64(to_float(dr[i])) - s[i]
-        psd[i] += d
-        psx[i] += d * (np.float64(to_float(xr[i])) - m[i])
-
-
 @njit(parallel=True, **_JIT)
 def reduce_channels_first_short(x, dy, mean, shift, rows, group, partial):
     """partial[j, 0, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over rows block j.
@@ -275,12 +251,12 @@ def reduce_channels_first_short(x, dy, mean, shift, rows, group, partial):
         a = j * rows
         a1 = min(A, a + rows)
         while a + 4 <= a1:
-            _lanes_4_rows(x2[a, l0:l1], x2[a + 1, l0:l1], x2[a + 2, l0:l1], x2[a + 3, l0:l1],
-                          d2[a, l0:l1], d2[a + 1, l0:l1], d2[a + 2, l0:l1], d2[a + 3, l0:l1],
-                          m, s, psd, psx)
+            _accumulate_4_rows(x2[a, l0:l1], x2[a + 1, l0:l1], x2[a + 2, l0:l1],
+                               x2[a + 3, l0:l1], d2[a, l0:l1], d2[a + 1, l0:l1],
+                               d2[a + 2, l0:l1], d2[a + 3, l0:l1], m, s, psd, psx)
             a += 4
         while a < a1:
-            _lanes_row(x2[a, l0:l1], d2[a, l0:l1], m, s, psd, psx)
+            _accumulate_row(x2[a, l0:l1], d2[a, l0:l1], m, s, psd, psx)
             a += 1
         for c in range(c0, c1):
             sd = 0.0
