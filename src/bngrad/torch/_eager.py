@@ -76,7 +76,7 @@ class _BatchNorm(torch.autograd.Function):
         need = ctx.needs_input_grad
         mask = (need[0], need[1] and weight is not None, need[2] and bias is not None)
         if torch.is_grad_enabled():
-            return _differentiable_backward(ctx, grad_out, mask) + (None,) * 5
+            return _differentiable_backward(ctx, ctx.saved_tensors, grad_out, mask) + (None,) * 5
         if grad_out.dtype != input.dtype:  # autograd may hand over a grad of another dtype
             grad_out = grad_out.to(input.dtype)
         grad_input = torch.empty_like(input) if mask[0] else None
@@ -89,10 +89,10 @@ class _BatchNorm(torch.autograd.Function):
         return (grad_input, _as(grad_weight, weight), _as(grad_bias, bias)) + (None,) * 5
 
 
-def _differentiable_backward(ctx, grad_out, mask):
+def _differentiable_backward(ctx, saved, grad_out, mask):
     """The backward as a graph that can be differentiated again: the forward is recomputed
     with the custom op (running statistics left alone) and differentiated by autograd."""
-    input, weight, bias, running_mean, running_var = ctx.saved_tensors
+    input, weight, bias, running_mean, running_var = saved
     wanted = [t for t, m in zip((input, weight, bias), mask) if m]
     if not wanted:
         return None, None, None
