@@ -29,9 +29,9 @@ import numpy as np
 from .._threads import current_num_threads
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
-from .batchnorm import transpose_last_two
+from .batchnorm import copy_rows, transpose_last_two
 
-__all__ = ["as_kernel_array", "compute_dtype", "transpose_last_two", "reduce", "backward_train",
+__all__ = ["as_kernel_array", "compute_dtype", "copy_rows", "transpose_last_two", "reduce", "backward_train",
            "elemt", "forward_train", "normalize", "train_coefficients"]
 
 # Elements per reduction tile: big enough to amortise the per-tile work, small enough that

@@ -453,6 +453,13 @@ def normalize_channels_last(x, out, coef, rows, cols):
 # layout
 
 @njit(parallel=True, **_JIT)
+def copy_rows(source, out):
+    """out[i, :] = source[i, :], rows in parallel; ``source`` may have any strides."""
+    for i in prange(source.shape[0]):
+        out[i, :] = source[i, :]
+
+
+@njit(parallel=True, **_JIT)
 def transpose_last_two(source, out):
     """out[a, q, p] = source[a, p, q], both C-contiguous, in tiles of 32 x 32 so that both
     sides are read and written a cache line at a time."""
