@@ -192,3 +192,52 @@ def test_workqueue_fallback_is_serialised_and_correct():
                             capture_output=True, text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "layer workqueue" in result.stdout
+
+
+def _nested_in_signal_handler(outer_shape, inner_shape, dtype, channel_axis):
+    """Run outer calls while SIGALRM keeps firing a small call on the same thread; return
+    (how often the handler ran, list of outer results that differ from an undisturbed one)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(outer_shape).astype(dtype)
+    dy = rng.standard_normal(outer_shape).astype(dtype)
+    small = rng.standard_normal(inner_shape).astype(dtype)
+    kw = dict(channel_axis=channel_axis)
+    expected = bngrad.batch_norm_backward(dy, x, **kw)
+    small_expected = bngrad.batch_norm_backward(small, small, **kw)
+    fired, wrong = [0], []
+
+    def handler(signum, frame):
+        fired[0] += 1
+        got = bngrad.batch_norm_backward(small, small, **kw)
+        if not _same(got, small_expected):
+            wrong.append("nested call")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.0003, 0.0003)
+        deadline = time.monotonic() + 10
+        for i in range(200):  # bounded: stop once the handler has run often enough
+            got = bngrad.batch_norm_backward(dy, x, **kw)
+            if not _same(got, expected):
+                wrong.append(f"outer call {i}")
+            if fired[0] >= 100 or time.monotonic() > deadline:
+                break
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    return fired[0], wrong
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+@pytest.mark.parametrize("outer_shape, inner_shape, channel_axis", [
+    ((4096, 256), (64, 8), 1),             # channels-last reduction (partial sums per row block)
+    ((16, 64, 100), (4, 8, 50), 1),        # short channels-first runs
+    ((8, 4, 3000), (4, 8, 50), 1),         # channels-first tiles, too few channels to fuse
+])
+def test_call_nested_in_a_signal_handler_leaves_the_outer_call_intact(
+        outer_shape, inner_shape, channel_axis):
+    """A call made by a signal handler (or a finaliser) while another call is running on the
+    same thread must not share the outer call's scratch buffers: both give their own results."""
+    fired, wrong = _nested_in_signal_handler(outer_shape, inner_shape, np.float32, channel_axis)
+    assert fired > 0, "the signal handler never ran: the test proves nothing"
+    assert not wrong, f"{len(wrong)} results changed by nested calls: {wrong[:5]}"

@@ -21,8 +21,10 @@ coefficients are spread over the lanes.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
+from typing import Iterator
 
 import numpy as np
 
@@ -73,19 +75,28 @@ def _ceil_div(a: int, b: int) -> int:
 _scratch = threading.local()
 
 
-def _partial_sums(shape: tuple[int, ...]) -> np.ndarray:
+@contextlib.contextmanager
+def _partial_sums(shape: tuple[int, ...]) -> Iterator[np.ndarray]:
     """A float64 array for a reduction's partial sums, reused by this thread's next calls.
 
-    The kernels overwrite every element, and each call is done with it before the next starts.
-    A fresh one per call can come from the allocator as new pages (mmap) and cost page faults
-    every time: 13 faults per (65536, 64) float32 backward alternating with another large
-    allocation, 0.7 with this buffer; (256, 4096) backward 0.43 -> 0.40 ms.
+    The kernels overwrite every element. A fresh one per call can come from the allocator as
+    new pages (mmap) and cost page faults every time: 13 faults per (65536, 64) float32
+    backward alternating with another large allocation, 0.7 with this buffer; (256, 4096)
+    backward 0.43 -> 0.40 ms.
+
+    The buffer is checked out while in use: a call nested on the same thread (from a signal
+    handler or a finaliser, which run between the outer call's kernels) finds none and gets
+    a fresh array instead of overwriting the outer call's partial sums.
     """
     n = math.prod(shape)
     buffer = getattr(_scratch, "partial", None)
+    _scratch.partial = None
     if buffer is None or buffer.size < n:
-        buffer = _scratch.partial = np.empty(n)
-    return buffer[:n].reshape(shape)
+        buffer = np.empty(n)
+    try:
+        yield buffer[:n].reshape(shape)
+    finally:
+        _scratch.partial = buffer
 
 
 def _channels_first_tiles(A: int, B: int) -> tuple[int, int]:
@@ -166,10 +177,10 @@ def _spread(values: np.ndarray, lanes) -> np.ndarray:
 def _reduce_lanes(x, dy, mean, shift):
     M, L = x.shape
     rows, cols = _channels_last_reduce_tiles(M, L)
-    partial = _partial_sums((_ceil_div(M, rows), 2, L))
-    k.reduce_channels_last(x, dy, mean, shift, rows, cols, partial)
     sum_dy, sum_dy_xmu = np.empty(L), np.empty(L)
-    k.combine_channels_last(partial, sum_dy, sum_dy_xmu)
+    with _partial_sums((_ceil_div(M, rows), 2, L)) as partial:
+        k.reduce_channels_last(x, dy, mean, shift, rows, cols, partial)
+        k.combine_channels_last(partial, sum_dy, sum_dy_xmu)
     return sum_dy, sum_dy_xmu
 
 
@@ -185,13 +196,14 @@ def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, shift: np.ndarray | 
     if not _uses_lanes(x):
         A, _, B = x.shape
         rows, seg = _channels_first_tiles(A, B)
-        partial = _partial_sums((_ceil_div(A, rows), _ceil_div(B, seg), C, 2))
-        if B < FUSED_MIN_RUN:  # never fused, so its own order (see SHORT_GROUP_LANES)
-            k.reduce_channels_first_short(x, dy, mean, shift, rows, _short_group(B), partial)
-        else:
-            k.reduce_channels_first(x, dy, mean, shift, rows, seg, partial)
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
-        k.combine_channels_first(partial, sum_dy, sum_dy_xmu)
+        with _partial_sums((_ceil_div(A, rows), _ceil_div(B, seg), C, 2)) as partial:
+            if B < FUSED_MIN_RUN:  # never fused, so its own order (see SHORT_GROUP_LANES)
+                k.reduce_channels_first_short(x, dy, mean, shift, rows, _short_group(B),
+                                              partial)
+            else:
+                k.reduce_channels_first(x, dy, mean, shift, rows, seg, partial)
+            k.combine_channels_first(partial, sum_dy, sum_dy_xmu)
         return sum_dy, sum_dy_xmu
     sums = (np.zeros(C), np.zeros(C))
     for (px, pdy), lanes in _lane_pieces((x, dy), C, FOLD_LANES):
