@@ -100,6 +100,17 @@ BAD = [
     ("count-zero", ("elemt",), dict(count=0), ValueError, "count", None),
     ("count-negative", ("elemt",), dict(count=-5), ValueError, "count", None),
     ("count-text", ("elemt",), dict(count="many"), TypeError, "count", None),
+    # A number in a string, a bool, a bool or string among per-rank counts: never a count.
+    ("count-numeric-text", ("elemt",), dict(count="4"), TypeError, "count", "'4'"),
+    ("count-bool", ("elemt",), dict(count=True), TypeError, "count", "True"),
+    ("count-numpy-bool", ("elemt",), dict(count=np.bool_(True)), TypeError, "count", None),
+    ("count-bool-array", ("elemt",), dict(count=np.array([True, True])), TypeError, "count",
+     "bool"),
+    ("count-rank-bool", ("elemt",), dict(count=[19, True]), TypeError, "count", "True"),
+    ("count-rank-text", ("elemt",), dict(count=["10", "10"]), TypeError, "count", None),
+    ("count-rank-negative", ("elemt",), dict(count=[30, -10]), ValueError, "count", "-10"),
+    ("count-rank-nan", ("elemt",), dict(count=[20.0, float("nan")]), ValueError, "count",
+     "nan"),
     ("eps-negative", ("backward", "forward"), dict(eps=-1e-5), ValueError, "eps", None),
     ("eps-nan", ("backward", "forward"), dict(eps=float("nan")), ValueError, "eps", "nan"),
     ("eps-text", ("backward", "forward"), dict(eps="small"), TypeError, "eps", None),
@@ -190,3 +201,136 @@ def test_valid_base_arguments_work():
         FUNCS[func](**kwargs)
         if func in ("backward", "forward"):
             FUNCS[func](**{**kwargs, "train": False})
+
+
+# --------------------------------------------------------------------------- count of elemt
+
+@pytest.mark.parametrize("count", [20, 20.0, np.int32(20), [20], [12, 0, 8],
+                                   np.array([20, 0], np.int32), np.array([5.0, 15.0])],
+                         ids=["int", "float", "int32", "list", "empty-rank", "int32-array",
+                              "float-array"])
+def test_elemt_count_forms(count):
+    """A number, or per-rank counts (PyTorch passes a tensor of them); an empty rank counts 0."""
+    kwargs = _base()["elemt"]
+    expected = bngrad.batch_norm_backward_elemt(**kwargs)
+    got = bngrad.batch_norm_backward_elemt(**{**kwargs, "count": count})
+    np.testing.assert_array_equal(got, expected)
+
+
+# --------------------------------------------------------------------------- NumPy guard rails
+
+def _nhwc(dtype=F32):
+    """An NHWC-shaped array (2, 5, 6, 14): 14 channels on the last axis."""
+    return np.random.default_rng(1).standard_normal((2, 5, 6, 14)).astype(dtype)
+
+
+@pytest.mark.parametrize("func", ["backward", "forward", "reduce", "elemt"])
+def test_channels_last_without_channel_axis_names_the_likely_cause(func):
+    x = _nhwc()
+    vec = np.ones(14, F32)
+    kwargs = {"backward": dict(grad_out=x, input=x, weight=vec),
+              "forward": dict(input=x, weight=vec),
+              "reduce": dict(grad_out=x, input=x, mean=vec, invstd=vec),
+              "elemt": dict(grad_out=x, input=x, mean=vec, invstd=vec, weight=None, sum_dy=vec,
+                            sum_dy_xmu=vec, count=60)}[func]
+    with pytest.raises(bngrad.ArgumentValueError) as info:
+        FUNCS[func](**kwargs)
+    message = str(info.value)
+    assert "expected shape (5,)" in message and "got shape (14,)" in message, message
+    assert "5 channels on axis 1" in message, message
+    assert "axis 3" in message and "channel_axis=3 (or -1)" in message, message
+    FUNCS[func](**kwargs, channel_axis=-1)  # the advice works
+
+
+def test_channel_axis_hint_only_where_some_axis_fits():
+    """A plain wrong length gets no advice about axes that do not match it."""
+    x = _nhwc()
+    with pytest.raises(bngrad.ArgumentValueError) as info:
+        bngrad.batch_norm_forward(x, np.ones(7, F32))
+    assert "channel_axis" not in str(info.value), str(info.value)
+
+
+def test_channel_axis_hint_with_several_matching_axes():
+    x = np.zeros((2, 3, 8, 8), F32)
+    with pytest.raises(bngrad.ArgumentValueError) as info:
+        bngrad.batch_norm_forward(x, np.ones(8, F32))
+    message = str(info.value)
+    assert "axes 2 and 3" in message and "channel_axis" in message, message
+
+
+@pytest.mark.parametrize("given", ["save_mean", "save_invstd"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_save_stats_one_without_the_other(given, train):
+    """One statistic alone used to be dropped silently (and both recomputed): raise."""
+    kwargs = {**_base()["backward"], "train": train}
+    missing = "save_invstd" if given == "save_mean" else "save_mean"
+    for absent in (None, np.empty(0, F32)):
+        with pytest.raises(bngrad.ArgumentValueError) as info:
+            bngrad.batch_norm_backward(**{**kwargs, missing: absent})
+        message = str(info.value)
+        assert "save_mean" in message and "save_invstd" in message, message
+
+
+def test_save_stats_both_empty_still_mean_none():
+    """An eval-mode forward returns empty (0,) statistics; passed on, both mean "none"."""
+    kwargs = _base()["backward"]
+    _, save_mean, save_invstd = bngrad.batch_norm_forward(
+        **{**_base()["forward"], "train": False})
+    assert save_mean.shape == save_invstd.shape == (0,)
+    expected = bngrad.batch_norm_backward(**{**kwargs, "save_mean": None, "save_invstd": None})
+    got = bngrad.batch_norm_backward(**{**kwargs, "save_mean": save_mean,
+                                        "save_invstd": save_invstd})
+    for g, e in zip(got, expected):
+        np.testing.assert_array_equal(g, e)
+
+
+@pytest.mark.parametrize("func", ["backward", "forward", "elemt"])
+def test_out_with_wrong_dtype_is_a_type_error_naming_the_dtypes(func):
+    out = np.empty((4, 3, 5), np.float64)
+    with pytest.raises(bngrad.ArgumentTypeError) as info:
+        FUNCS[func](**_base()[func], out=out)
+    message = str(info.value)
+    assert "out" in message and "float32" in message and "float64" in message, message
+    assert "shape" not in message, message
+
+
+@pytest.mark.parametrize("func", ["backward", "forward", "elemt"])
+def test_out_with_wrong_shape_names_only_the_shape(func):
+    out = np.empty((4, 3, 6), F32)
+    with pytest.raises(bngrad.ArgumentValueError) as info:
+        FUNCS[func](**_base()[func], out=out)
+    message = str(info.value)
+    assert "(4, 3, 5)" in message and "(4, 3, 6)" in message, message
+    assert "dtype" not in message, message
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("func", ["backward", "forward"])
+def test_negative_running_var_names_the_argument_order(func, train):
+    """A variance is never negative: the usual cause is F.batch_norm's argument order."""
+    running_var = np.array([1.0, -0.5, 2.0], F32)
+    kwargs = {**_base()[func], "train": train, "running_var": running_var}
+    before = kwargs["running_mean"].copy()
+    with pytest.raises(bngrad.ArgumentValueError) as info:
+        FUNCS[func](**kwargs)
+    message = str(info.value)
+    assert "running_var" in message and "-0.5" in message and "order" in message, message
+    np.testing.assert_array_equal(kwargs["running_mean"], before)  # nothing updated
+
+
+def test_forward_called_in_torch_argument_order_is_caught():
+    """F.batch_norm's order (input, running_mean, running_var, weight, bias) passed positionally:
+    the bias lands in running_var, and a trained bias has negative entries."""
+    x = np.random.default_rng(2).standard_normal((4, 3, 5)).astype(F32)
+    running_mean, running_var = np.zeros(3, F32), np.ones(3, F32)
+    weight, bias = np.full(3, 1.5, F32), np.array([0.1, -0.2, 0.3], F32)
+    with pytest.raises(bngrad.ArgumentValueError, match="running_var.*order"):
+        bngrad.batch_norm_forward(x, running_mean, running_var, weight, bias, False)
+
+
+def test_nan_running_var_is_still_accepted():
+    """PyTorch's running_var becomes NaN after a batch of one element; not an order mistake."""
+    kwargs = {**_base()["forward"], "train": False,
+              "running_var": np.array([1.0, np.nan, 1.0], F32)}
+    output, _, _ = bngrad.batch_norm_forward(**kwargs)
+    assert np.isnan(output[:, 1]).all() and np.isfinite(output[:, [0, 2]]).all()

@@ -80,9 +80,8 @@ def channel_axis(value: Any, ndim: int) -> int:
     return axis % ndim
 
 
-def param_vector(name: str, value: Any, n_channels: int, input_dtype: np.dtype
-                 ) -> Optional[np.ndarray]:
-    """A per-channel parameter: None, or a 1-D array of length C.
+def param_vector(name: str, value: Any, input: np.ndarray, axis: int) -> Optional[np.ndarray]:
+    """A per-channel parameter: None, or a 1-D array of length C = ``input.shape[axis]``.
 
     Its dtype must be the input's, or float32 (or float64) for a float16/bfloat16 input
     (mixed precision, as in PyTorch).
@@ -95,25 +94,79 @@ def param_vector(name: str, value: Any, n_channels: int, input_dtype: np.dtype
     if array.dtype not in SUPPORTED_DTYPES:
         raise ArgumentTypeError(
             f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}")
+    n_channels = input.shape[axis]
     if array.shape != (n_channels,):
         raise ArgumentValueError(
             f"{name}: expected shape ({n_channels},) (one value per channel), got shape "
-            f"{array.shape}")
-    allowed = (input_dtype,) + ((FLOAT32, FLOAT64) if is_half(input_dtype) else ())
+            f"{array.shape}" + _channel_axis_hint(array.shape, input.shape, axis))
+    allowed = (input.dtype,) + ((FLOAT32, FLOAT64) if is_half(input.dtype) else ())
     if array.dtype not in allowed:
         raise ArgumentTypeError(
             f"{name}: expected dtype {' or '.join(str(d) for d in allowed)} for a "
-            f"{input_dtype} input, got dtype {array.dtype}; convert it with "
+            f"{input.dtype} input, got dtype {array.dtype}; convert it with "
             f".astype(input.dtype)")
     return array
 
 
-def required_param_vector(name: str, value: Any, n_channels: int, input_dtype: np.dtype
-                          ) -> np.ndarray:
+def _channel_axis_hint(shape: tuple, input_shape: tuple, axis: int) -> str:
+    """Advice when a parameter's length is that of another axis of input: most likely the
+    channels are there (e.g. an NHWC array without channel_axis=-1)."""
+    if len(shape) != 1:
+        return ""
+    axes = [i for i, n in enumerate(input_shape) if n == shape[0] and i != axis]
+    if not axes:
+        return ""
+    where = (f"input has {input_shape[axis]} channels on axis {axis} (channel_axis={axis}); "
+             f"{shape[0]} is the length of ")
+    if len(axes) > 1:
+        listed = ", ".join(map(str, axes[:-1])) + f" and {axes[-1]}"
+        return f"; {where}axes {listed}: pass the one holding the channels as channel_axis"
+    last = " (or -1)" if axes[0] == len(input_shape) - 1 else ""
+    return f"; {where}axis {axes[0]}: pass channel_axis={axes[0]}{last}"
+
+
+def required_param_vector(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndarray:
     """As param_vector, but None is an error."""
     if value is None:
-        raise ArgumentValueError(f"{name}: expected an array of shape ({n_channels},), got None")
-    return param_vector(name, value, n_channels, input_dtype)
+        raise ArgumentValueError(
+            f"{name}: expected an array of shape ({input.shape[axis]},), got None")
+    return param_vector(name, value, input, axis)
+
+
+def running_var(value: Optional[np.ndarray]) -> None:
+    """A variance is never negative; a negative entry is the trace of a swapped argument order
+    (F.batch_norm's running_var slot holds bngrad's bias), which shapes and dtypes cannot show.
+
+    NaN passes: PyTorch's running_var becomes NaN after a batch of one element per channel.
+    """
+    if value is None:
+        return
+    with np.errstate(invalid="ignore"):  # NaN in bfloat16 warns when compared
+        negative = np.flatnonzero(value < 0)
+    if negative.size:
+        c = negative[0]
+        raise ArgumentValueError(
+            f"running_var: expected variances >= 0, got {float(value[c]):g} at channel {c}. "
+            "Check the argument order: bngrad.batch_norm_forward takes (input, weight, bias, "
+            "running_mean, running_var), unlike F.batch_norm's (input, running_mean, "
+            "running_var, weight, bias); pass them by keyword to be sure")
+
+
+def save_stats(save_mean: Any, save_invstd: Any) -> tuple[Any, Any]:
+    """The backward's saved statistics: both or neither.
+
+    Empty (0,) arrays, as an eval-mode forward returns them (here and in PyTorch), mean
+    "none". One without the other is a mistake, not a request to recompute both.
+    """
+    save_mean, save_invstd = (None if isinstance(v, np.ndarray) and v.shape == (0,) else v
+                              for v in (save_mean, save_invstd))
+    if (save_mean is None) != (save_invstd is None):
+        given, missing = (("save_mean", "save_invstd") if save_invstd is None
+                          else ("save_invstd", "save_mean"))
+        raise ArgumentValueError(
+            f"save_mean, save_invstd: expected both (the forward's batch statistics) or "
+            f"neither (computed from input), got {given} without {missing}")
+    return save_mean, save_invstd
 
 
 def running_stats_for_eval(train: bool, running_mean: Optional[np.ndarray],
@@ -197,14 +250,36 @@ def num_threads(value: Any) -> Optional[int]:
     return int(value)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
 def count(value: Any) -> float:
-    """Elements per channel over all participants: a positive number, or an array of counts."""
+    """Elements per channel over all participants, summed.
+
+    A number > 0, or per-rank counts (PyTorch's ``batch_norm_backward_elemt`` takes a tensor
+    of them): each >= 0, as an empty rank contributes 0, with a positive total.
+    """
+    expected = "expected a number > 0 or an array of per-rank counts >= 0 with a positive total"
     try:
-        total = float(np.sum(np.asarray(value, dtype=np.float64)))
+        if isinstance(value, (list, tuple)):
+            # NumPy would read [19, True] as [19, 1] and ["4"] as [4.0]: look at each item.
+            items = np.asarray(value, dtype=object).ravel()
+            if not all(_is_number(v) for v in items):
+                raise TypeError
+            counts = items.astype(np.float64)
+        else:
+            counts = np.asarray(value)
+            if counts.dtype.kind not in "iuf":  # bool, str, object, complex: not a count
+                raise TypeError
+            counts = counts.astype(np.float64)
     except (TypeError, ValueError):
-        raise ArgumentTypeError(
-            f"count: expected a positive number (or an array of per-rank counts), got "
-            f"{describe(value)}") from None
+        raise ArgumentTypeError(f"count: {expected}, got {describe(value)}") from None
+    if counts.ndim and (counts < 0).any():
+        raise ArgumentValueError(
+            f"count: expected per-rank counts >= 0 (0 for an empty rank), got "
+            f"{counts[counts < 0][0]:g} in {describe(value)}")
+    total = float(np.sum(counts))
     if not total > 0 or math.isinf(total):
         raise ArgumentValueError(f"count: expected a positive finite total, got {total}")
     return total
@@ -226,10 +301,12 @@ def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]) -> 
         return None
     if not isinstance(value, np.ndarray):
         raise ArgumentTypeError(f"out: expected a NumPy array or None, got {describe(value)}")
-    if value.shape != input.shape or value.dtype != input.dtype:
+    if value.shape != input.shape:
         raise ArgumentValueError(
-            f"out: expected shape {input.shape} and dtype {input.dtype} (those of input), got "
-            f"shape {value.shape} and dtype {value.dtype}")
+            f"out: expected the shape of input {input.shape}, got shape {value.shape}")
+    if value.dtype != input.dtype:
+        raise ArgumentTypeError(
+            f"out: expected the dtype of input ({input.dtype}), got dtype {value.dtype}")
     if not value.flags.writeable:
         raise ArgumentValueError("out: expected a writable array, got a read-only one")
     for name, other in (("input", input), ("grad_out", grad_out)):

@@ -149,10 +149,11 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, None)
     n_channels = input.shape[axis]
-    weight = check.param_vector("weight", weight, n_channels, input.dtype)
-    bias = check.param_vector("bias", bias, n_channels, input.dtype)
-    running_mean = check.param_vector("running_mean", running_mean, n_channels, input.dtype)
-    running_var = check.param_vector("running_var", running_var, n_channels, input.dtype)
+    weight = check.param_vector("weight", weight, input, axis)
+    bias = check.param_vector("bias", bias, input, axis)
+    running_mean = check.param_vector("running_mean", running_mean, input, axis)
+    running_var = check.param_vector("running_var", running_var, input, axis)
+    check.running_var(running_var)
     for name, value in (("running_mean", running_mean), ("running_var", running_var)):
         if value is not None and train and not value.flags.writeable:
             raise ArgumentValueError(f"{name}: expected a writable array (it is updated in place "
@@ -245,13 +246,12 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, grad_out) if mask[0] else None
     n_channels = input.shape[axis]
-    # The empty (0,) statistics an eval-mode forward returns (here and in PyTorch) mean "none".
-    save_mean, save_invstd = (None if isinstance(v, np.ndarray) and v.shape == (0,) else v
-                              for v in (save_mean, save_invstd))
-    params = {name: check.param_vector(name, value, n_channels, input.dtype)
+    save_mean, save_invstd = check.save_stats(save_mean, save_invstd)
+    params = {name: check.param_vector(name, value, input, axis)
               for name, value in (("weight", weight), ("running_mean", running_mean),
                                   ("running_var", running_var), ("save_mean", save_mean),
                                   ("save_invstd", save_invstd))}
+    check.running_var(params["running_var"])
     check.running_stats_for_eval(train, params["running_mean"], params["running_var"])
     out_dtype = check.param_dtype(input.dtype, params["weight"],
                                   [params[n] for n in ("running_mean", "running_var",
@@ -327,9 +327,9 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
     """
     grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     n_channels = input.shape[axis]
-    mean = check.required_param_vector("mean", mean, n_channels, input.dtype)
-    invstd = check.required_param_vector("invstd", invstd, n_channels, input.dtype)
-    weight = check.param_vector("weight", weight, n_channels, input.dtype)
+    mean = check.required_param_vector("mean", mean, input, axis)
+    invstd = check.required_param_vector("invstd", invstd, input, axis)
+    weight = check.param_vector("weight", weight, input, axis)
     flags = [check.boolean(name, value) for name, value in
              (("input_g", input_g), ("weight_g", weight_g), ("bias_g", bias_g))]
     threads = check.num_threads(num_threads)
@@ -374,10 +374,10 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     """
     grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     n_channels = input.shape[axis]
-    f64 = {name: check.required_param_vector(name, value, n_channels, input.dtype).astype(
-        np.float64) for name, value in (("mean", mean), ("invstd", invstd), ("sum_dy", sum_dy),
-                                        ("sum_dy_xmu", sum_dy_xmu))}
-    weight = check.param_vector("weight", weight, n_channels, input.dtype)
+    f64 = {name: check.required_param_vector(name, value, input, axis).astype(np.float64)
+           for name, value in (("mean", mean), ("invstd", invstd), ("sum_dy", sum_dy),
+                               ("sum_dy_xmu", sum_dy_xmu))}
+    weight = check.param_vector("weight", weight, input, axis)
     total = check.count(count)
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, grad_out)
