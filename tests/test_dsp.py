@@ -315,6 +315,35 @@ def test_params_dataclass():
             np.testing.assert_array_equal(other[name], b1[name])
 
 
+@pytest.mark.parametrize("is_train", [0.5, 2, -1, "no", "1", None, 1.0])
+def test_params_dataclass_refuses_is_train_other_than_0_or_1(is_train):
+    """int(0.5) would silently run eval mode, int("no") fail without naming the argument."""
+    b = make_buffers(3, 5, seed=10)
+    before = snapshot(b)
+    fields = dict(mean=b["mean"], invar=b["invar"], scale=b["scale"], dbias=b["dbias"],
+                  dscale=b["dscale"], batch=3, channel=5)
+    with pytest.raises(ArgumentValueError, match="is_train"):
+        dsp.BatchNormGradParams(**fields, is_train=is_train)
+    p = dsp.BatchNormGradParams(**fields)
+    p.is_train = is_train  # set after construction: refused when used
+    for use in (p.as_params,
+                lambda: dsp.fp_batch_norm_grad_s(b["x"], b["dy"], b["dx"], p)):
+        with pytest.raises(ArgumentValueError, match="is_train"):
+            use()
+    for name, value in before.items():
+        np.testing.assert_array_equal(b[name], value)
+
+
+@pytest.mark.parametrize("is_train, expected", [(True, 1), (False, 0), (1, 1), (0, 0),
+                                                (np.bool_(False), 0), (np.int64(1), 1)])
+def test_params_dataclass_is_train_forms(is_train, expected):
+    b = make_buffers(3, 5)
+    p = dsp.BatchNormGradParams(b["mean"], b["invar"], b["scale"], b["dbias"], b["dscale"], 3,
+                                5, is_train=is_train)
+    as_list = p.as_params()
+    assert as_list[7] == expected and type(as_list[7]) is int
+
+
 @pytest.mark.parametrize("container", [tuple, lambda p: np.array(p, dtype=object)],
                          ids=["tuple", "object-array"])
 def test_params_other_sequences(container):
@@ -401,6 +430,7 @@ BAD = {
     "is_train-2": (_set(7, 2), ArgumentValueError, "is_train"),
     "is_train-float": (_set(7, 0.5), ArgumentValueError, "is_train"),
     "is_train-None": (_set(7, None), ArgumentValueError, "is_train"),
+    "is_train-str": (_set(7, "no"), ArgumentValueError, "is_train"),
     # data buffers too short / wrong shape
     "x-short": (_short("x"), ArgumentValueError, "x: expected at least batch"),
     "dy-short": (_short("dy"), ArgumentValueError, "dy: expected at least batch"),

@@ -68,7 +68,9 @@ class BatchNormGradParams:
     dbias, dscale : ndarray (channel,)
         Output buffers, written in place.
     batch, channel : int
-    is_train : bool
+    is_train : bool or int
+        True/1 (train) or False/0 (eval); anything else, 0.5 or "no" included, raises an
+        :class:`~bngrad.errors.ArgumentValueError` here and in :meth:`as_params`.
     """
 
     mean: np.ndarray
@@ -80,10 +82,14 @@ class BatchNormGradParams:
     channel: int
     is_train: bool = True
 
+    def __post_init__(self) -> None:
+        _is_train(self.is_train, "is_train")
+
     def as_params(self) -> list:
         """The C layout: a list of 12 entries, the reserved ones 0."""
+        # Checked again: the field may have been set since, and int() would turn 0.5 into 0.
         return [self.mean, self.invar, self.scale, self.dbias, self.dscale,
-                self.batch, self.channel, int(self.is_train), 0, 0, 0, 0]
+                self.batch, self.channel, int(_is_train(self.is_train, "is_train")), 0, 0, 0, 0]
 
 
 #: What ``params`` may be: a sequence in the C layout, a 1-D object array, or the dataclass.
@@ -92,14 +98,14 @@ Params = Union[Sequence[Any], np.ndarray, BatchNormGradParams]
 
 # --------------------------------------------------------------------------- validation
 
-def _is_train(value: Any) -> bool:
-    # Strict 0/1: a shifted params list would otherwise put `channel` here and pass silently.
+def _is_train(value: Any, name: str = "params[7] (is_train)") -> bool:
+    # Strict 0/1: a shifted params list would otherwise put `channel` here and pass silently,
+    # and a float 0.5 would truncate to eval mode.
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     if isinstance(value, numbers.Integral) and value in (0, 1):
         return bool(value)
-    raise ArgumentValueError(
-        f"params[7] (is_train): expected 0, 1, True or False, got {describe(value)}")
+    raise ArgumentValueError(f"{name}: expected 0, 1, True or False, got {describe(value)}")
 
 
 def threads_for_core_mask(core_mask: Any) -> int:
