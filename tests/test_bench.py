@@ -235,4 +235,34 @@ def test_cli_startup_times_cold_and_warm_first_calls(tiny_suite, tmp_path, monke
 def test_cli_without_the_bench_extra_says_how_to_install_it(module, argv, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, module, None)
     assert cli.main(["bench", "--suite", "quick", *argv]) == 2
-    assert "pip install 'bngrad[bench]'" in capsys.readouterr().err
+    assert "pip install '.[bench]'" in capsys.readouterr().err
+
+
+def test_bare_bench_runs_the_quick_suite():
+    args = cli.build_parser().parse_args(["bench"])
+    assert args.suite == "quick"
+
+
+def test_table_fits_a_narrow_terminal_and_names_the_largest_difference(tiny_suite, tmp_path):
+    from rich.console import Console
+
+    from bngrad import _cli_bench
+
+    pytest.importorskip("torch")
+    _run_cli(tmp_path, "--scaling")
+    result = bench.SuiteResult.read_json(tmp_path / "bench.json")
+    for width, dropped in ((200, ()), (110, ("NumPy ms",)), (60, ("NumPy ms", "GB/s"))):
+        console = Console(width=width, record=True)
+        console.print(_cli_bench._table(result, width))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= width
+        assert "bngrad" in text and "PyTorch" in text and "floor" in text
+        for name in dropped:
+            assert name not in text
+    # without a width (a pipe, --markdown) every column stays
+    console = Console(width=400, record=True)
+    console.print(_cli_bench._table(result))
+    assert "NumPy ms" in console.export_text()
+    label = result.summary()["max_rel_diff_case"]
+    assert label in {c.case.label for c in result.cases}
+    assert any(label in note for note in _cli_bench._notes(result))

@@ -18,8 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from .bench import LAYOUTS, SUITES
 
     suites = "; ".join(f"{name}: {desc}" for name, (_, _, desc) in SUITES.items())
-    parser.add_argument("--suite", default="default", choices=list(SUITES),
-                        help=f"which cases to run (default: default). {suites}")
+    parser.add_argument("--suite", default="quick", choices=list(SUITES),
+                        help=f"which cases to run (default: quick; the default suite takes "
+                             f"several minutes). {suites}")
     parser.add_argument("--dtype", action="append", metavar="NAMES",
                         help="only cases of these dtypes, comma-separated: float64, float32, "
                              "float16, bfloat16 (aliases fp32, bf16, ...)")
@@ -57,7 +58,7 @@ def _missing_extra(module: str) -> Optional[str]:
         __import__(module)
     except ImportError:
         return (f"bngrad bench: {module} is not installed; install the benchmark extra with: "
-                "pip install 'bngrad[bench]'")
+                "pip install '.[bench]' (in bngrad's clone)")
     return None
 
 
@@ -104,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
             with console.status("Timing the first call in fresh processes (cold, then warm)..."):
                 result.startup = bench.measure_startup()
 
-    console.print(_table(result))
+    console.print(_table(result, console.width if console.is_terminal else None))
     for line in _notes(result):
         console.print(line)
     if args.json:
@@ -192,10 +193,32 @@ def _grid(result):
     return title, columns, rows, total, slower
 
 
-def _table(result):
+# Columns a narrow terminal can do without (name prefixes), dropped in this order; the case,
+# bngrad ms, vs PyTorch and / floor always stay. --json and --markdown keep every column.
+_OPTIONAL_COLUMNS = ("NumPy ms", "cores busy", "GB/s", "extra MiB", "floor ms", "1->",
+                     "PyTorch ms")
+
+
+def _fit(columns, rows, total, width: Optional[int]):
+    """Drop optional columns until the table fits ``width`` terminal cells (None: keep all)."""
+    def cells(keep):
+        return sum(max(len(r[i]) for r in [columns, total] + rows) + 3 for i in keep) + 1
+
+    keep = list(range(len(columns)))
+    for prefix in _OPTIONAL_COLUMNS:
+        if width is None or cells(keep) <= width:
+            break
+        keep = [i for i in keep if not columns[i].startswith(prefix)]
+    pick = lambda row: [row[i] for i in keep]  # noqa: E731
+    return pick(columns), [pick(r) for r in rows], pick(total)
+
+
+def _table(result, width: Optional[int] = None):
+    """The results as a rich Table, narrowed to ``width`` cells if given."""
     from rich.table import Table
 
     title, columns, rows, total, slower = _grid(result)
+    columns, rows, total = _fit(columns, rows, total, width)
     table = Table(title=title, title_justify="left")
     for i, name in enumerate(columns):
         table.add_column(name, justify="left" if i < 3 else "right")
@@ -260,7 +283,7 @@ def _notes(result) -> List[str]:
                      f"{s['max_bngrad_extra_bytes'] / _MIB:.2f} MiB.")
     if s["max_rel_diff_vs_torch"] is not None:
         notes.append(f"Largest |bngrad - PyTorch| / max|PyTorch| over grad_input: "
-                     f"{s['max_rel_diff_vs_torch']:.1e}.")
+                     f"{s['max_rel_diff_vs_torch']:.1e} ({s['max_rel_diff_case']}).")
     if s["deterministic_across_threads"] is not None:
         differ = [c.case.label for c in cases if c.deterministic_across_threads is False]
         verdict = ("yes, every case" if not differ

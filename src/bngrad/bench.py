@@ -409,7 +409,7 @@ def _import_torch():
         import torch
         from bngrad.torch._convert import from_numpy
     except ImportError as exc:
-        raise Unavailable("PyTorch is not installed (pip install 'bngrad[torch]' to compare "
+        raise Unavailable("PyTorch is not installed (pip install '.[torch]' in bngrad's clone to compare "
                           f"against it): {exc}") from None
     return torch, from_numpy
 
@@ -784,7 +784,8 @@ class SuiteResult:
                 per_byte[dtype] = geomean(rates)
         extras = [c.extra_memory.get("bngrad", {}).get("rss_extra") for c in cs]
         extras = [e for e in extras if e is not None]
-        diffs = [c.max_rel_diff_vs_torch for c in cs if c.max_rel_diff_vs_torch is not None]
+        diffs = [(c.max_rel_diff_vs_torch, c) for c in cs if c.max_rel_diff_vs_torch is not None]
+        largest_diff = max(diffs, key=lambda p: p[0]) if diffs else None
         det = [c.deterministic_across_threads for c in cs
                if c.deterministic_across_threads is not None]
         return {
@@ -797,7 +798,8 @@ class SuiteResult:
             "geomean_gbps_by_dtype": per_byte,
             "geomean_scaling_1_to_n": geomean(c.scaling for c in cs),
             "max_bngrad_extra_bytes": max(extras) if extras else None,
-            "max_rel_diff_vs_torch": max(diffs) if diffs else None,
+            "max_rel_diff_vs_torch": largest_diff[0] if largest_diff else None,
+            "max_rel_diff_case": largest_diff[1].case.label if largest_diff else None,
             "deterministic_across_threads": all(det) if det else None,
         }
 
