@@ -114,6 +114,12 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
                        ) -> Tuple[Array, Array, Array]:
     """Batch-norm forward, as ``torch.ops.aten.native_batch_norm``.
 
+    The argument order is ``native_batch_norm``'s, (input, weight, bias, running_mean,
+    running_var), **not** ``F.batch_norm``'s (input, running_mean, running_var, weight, bias),
+    which :func:`bngrad.torch.batch_norm` follows. All four vectors have shape (C,), so a
+    swapped order cannot be seen from shapes; pass them by keyword when in doubt. A negative
+    ``running_var`` entry (a bias in the variance's place) raises.
+
     Parameters
     ----------
     input : ndarray, ndim >= 2, float64/float32/float16/bfloat16, any strides
@@ -122,6 +128,7 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     running_mean, running_var : ndarray (C,), optional
         Updated in place in train mode: ``r = (1 - momentum)*r + momentum*stat``, with the
         unbiased variance. Required in eval mode, where they normalise the input.
+        ``running_var`` must not be negative (NaN is accepted, as PyTorch produces it).
     train : bool
         Normalise with the batch statistics (True) or the running ones (False).
     momentum, eps : float
@@ -130,7 +137,8 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     num_threads : int, optional
         Threads to use (default: all). Results are identical for every thread count.
     out : ndarray, optional
-        Buffer for the output (input's shape and dtype); it may be input itself.
+        Buffer for the output (input's shape and dtype); it may be input itself. A wrong
+        shape is an ArgumentValueError, a wrong dtype an ArgumentTypeError.
 
     Returns
     -------
@@ -204,6 +212,10 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
                         ) -> Tuple[Optional[Array], Optional[Array], Optional[Array]]:
     """Gradients of batch norm, as ``torch.ops.aten.native_batch_norm_backward``.
 
+    The argument order is ``native_batch_norm_backward``'s: (grad_out, input, weight,
+    running_mean, running_var, save_mean, save_invstd, ...). Like :func:`batch_norm_forward`,
+    and unlike ``F.batch_norm``, the weight comes before the running statistics.
+
     Parameters
     ----------
     grad_out, input : ndarray, same shape and dtype, ndim >= 2, any strides
@@ -211,11 +223,12 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
     weight : ndarray (C,), optional
         Scale (gamma); None means 1.
     running_mean, running_var : ndarray (C,), optional
-        Used in eval mode (``train=False``), where they are required.
+        Used in eval mode (``train=False``), where they are required. ``running_var`` must
+        not be negative.
     save_mean, save_invstd : ndarray (C,), optional
-        Batch statistics from the forward pass, used in train mode. If either is None (or
-        empty, as an eval-mode forward returns them) they are computed from input (biased
-        variance, eps), where PyTorch would fail.
+        Batch statistics from the forward pass, used in train mode. Give both or neither:
+        if both are None (or empty, as an eval-mode forward returns them) they are computed
+        from input (biased variance, eps), where PyTorch would fail; one alone raises.
     train : bool
     eps : float
         Used with running_var in eval mode, and when the statistics are computed here.
@@ -362,8 +375,10 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     weight : ndarray (C,) or None
     sum_dy, sum_dy_xmu : ndarray (C,)
         From :func:`batch_norm_backward_reduce`, summed over all participants.
-    count : int, float or array of ints
-        Elements per channel over all participants (an array of per-rank counts is summed).
+    count : int, float or array of per-rank counts
+        Elements per channel over all participants: a number > 0, or the per-rank counts
+        (PyTorch passes a tensor of them), each >= 0 (0 for an empty rank), summed. Bools,
+        strings and negative counts raise.
     channel_axis, num_threads, out : as in :func:`batch_norm_backward`
 
     Returns
