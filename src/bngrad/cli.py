@@ -2,21 +2,27 @@
 
 Each subcommand lives in the module that owns its feature and provides two functions:
 ``add_arguments(parser)`` and ``run(args) -> int`` (the exit code).
+
+If the reader of standard output goes away (``bngrad vectors ... | head``), every subcommand
+stops quietly with exit status 141, as a tool killed by SIGPIPE does, instead of a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib import import_module
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 # subcommand -> (module with add_arguments/run, one-line help)
 SUBCOMMANDS = {
     "bench": ("bngrad._cli_bench", "time bngrad against PyTorch and the memory floor"),
     "vectors": ("bngrad._cli_vectors", "write golden test vectors for the DSP BatchNormGrad"),
     "compare": ("bngrad._cli_compare", "compare a device's outputs with golden vectors"),
+    "precompile": ("bngrad._precompile", "compile every kernel now, so no first call waits"),
 }
+BROKEN_PIPE_EXIT = 128 + 13     # the shell's status for a process killed by SIGPIPE
 
 
 def build_parser() -> argparse.ArgumentParser:

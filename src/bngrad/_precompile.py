@@ -1,0 +1,129 @@
+"""Compile every kernel ahead of use (``bngrad precompile``), so that no first call waits for it.
+
+Numba compiles a kernel for each combination of argument types the first time it sees it and
+keeps the machine code in its on-disk cache (``cache=True``; ``NUMBA_CACHE_DIR`` moves it). A
+fresh install therefore spends seconds on the first call of each dtype and layout. This module
+makes those first calls on tiny arrays, once, through the public API: every dtype, every
+canonical path (2-D and narrow channels-last rows, short, medium and long channels-first runs,
+the fused per-channel kernels, mixed layouts and sliced inputs), training and eval, forward and
+backward, and the split reduce/elemt pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable, Dict, Iterable, Optional
+
+import numpy as np
+
+DTYPES = ("float64", "float32", "float16", "bfloat16")
+
+# (shape, how to lay it out) covering each kernel path of bngrad.kernels: 2-D rows of lanes,
+# channels-first runs shorter than SHORT_RUN, short runs, long runs (fused where there are
+# enough channels per thread), channels-last images, mixed layouts (a tiled transpose) and
+# slices (a row copy).
+_CASES = (((64, 8), "dense"), ((4, 8, 3, 3), "dense"), ((2, 8, 6, 6), "dense"),
+          ((2, 8, 20, 20), "dense"), ((2, 2, 20, 20), "dense"), ((2, 8, 6, 6), "channels_last"),
+          ((2, 8, 6, 6), "mixed"), ((2, 8, 6, 12), "sliced"))
+
+
+def _arrays(shape, how, dtype, rng):
+    x = rng.standard_normal(shape).astype(dtype)
+    dy = rng.standard_normal(shape).astype(dtype)
+    if how == "channels_last":
+        x, dy = (np.ascontiguousarray(np.moveaxis(a, 1, -1)) for a in (x, dy))
+        x, dy = (np.moveaxis(a, -1, 1) for a in (x, dy))
+    elif how == "mixed":
+        dy = np.moveaxis(np.ascontiguousarray(np.moveaxis(dy, 1, -1)), -1, 1)
+    elif how == "sliced":
+        x, dy = x[..., ::2], dy[..., ::2]
+    return x, dy
+
+
+def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> None:
+    import bngrad
+
+    rng = np.random.default_rng(0)
+    param = np.dtype(np.float32) if dtype.itemsize == 2 else dtype
+    for shape, how in _CASES:
+        x, dy = _arrays(shape, how, dtype, rng)
+        x.flags.writeable = dy.flags.writeable = not read_only
+        C = shape[1]
+        w, b = np.ones(C, param), np.zeros(C, param)
+        rm, rv = np.zeros(C, param), np.ones(C, param)
+        kw = dict(num_threads=num_threads)
+        _, mean, invstd = bngrad.batch_norm_forward(x, w, b, rm, rv, True, **kw)
+        bngrad.batch_norm_forward(x, w, b, rm, rv, False, **kw)
+        bngrad.batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True, **kw)
+        bngrad.batch_norm_backward(dy, x, w, rm, rv, None, None, False, **kw)
+        bngrad.batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True,
+                                   output_mask=(False, True, True), **kw)
+        sums = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w, **kw)
+        bngrad.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums[0], sums[1],
+                                         x.size // C, **kw)
+
+
+def precompile(dtypes: Optional[Iterable[str]] = None,
+               progress: Optional[Callable[[str, float], None]] = None) -> Dict[str, float]:
+    """Compile (or load from Numba's cache) every kernel bngrad runs, for the given dtypes.
+
+    Parameters
+    ----------
+    dtypes : iterable of str, optional
+        Any of "float64", "float32", "float16", "bfloat16" (default: all four).
+    progress : callable, optional
+        Called as ``progress(dtype, seconds)`` after each dtype.
+
+    Returns
+    -------
+    dict
+        Seconds spent per dtype (small where the cache was already warm).
+    """
+    from ._validate import SUPPORTED_DTYPES
+    from .errors import ArgumentValueError
+
+    by_name = {d.name: d for d in SUPPORTED_DTYPES}
+    chosen = []
+    for name in DTYPES if dtypes is None else dtypes:
+        if name not in by_name:
+            raise ArgumentValueError(f"dtypes: expected names among {', '.join(DTYPES)}, "
+                                     f"got {name!r}")
+        chosen.append(by_name[name])
+    spent = {}
+    for dtype in chosen:
+        t = time.perf_counter()
+        # One thread and all threads: whether the fused channels-first kernels run depends on
+        # the channels per thread, so both paths get compiled whatever the machine's cores.
+        # Read-only inputs (np.broadcast_to, read-only memory maps) are another Numba type.
+        for num_threads, read_only in ((1, False), (None, False), (None, True)):
+            _exercise(dtype, num_threads, read_only)
+        spent[dtype.name] = time.perf_counter() - t
+        if progress is not None:
+            progress(dtype.name, spent[dtype.name])
+    return spent
+
+
+# ---------------------------------------------------------------------------------------------
+# the `bngrad precompile` command
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", action="append", choices=DTYPES, metavar="NAME",
+                        help="only this dtype (repeatable; default: all of "
+                             + ", ".join(DTYPES) + ")")
+
+
+def run(args: argparse.Namespace) -> int:
+    from numba.core.config import CACHE_DIR
+
+    where = CACHE_DIR or "next to bngrad's kernel sources (__pycache__)"
+    print(f"compiling bngrad's kernels into Numba's cache ({where}) ...", flush=True)
+    spent = precompile(args.dtype, lambda name, s: print(f"  {name:9s} {s:6.1f} s", flush=True))
+    print(f"done in {sum(spent.values()):.1f} s; the first call of each dtype and layout now "
+          "loads compiled code instead of compiling it")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: bngrad precompile")
