@@ -334,3 +334,16 @@ def test_nan_running_var_is_still_accepted():
               "running_var": np.array([1.0, np.nan, 1.0], F32)}
     output, _, _ = bngrad.batch_norm_forward(**kwargs)
     assert np.isnan(output[:, 1]).all() and np.isfinite(output[:, [0, 2]]).all()
+
+
+def test_torch_batch_norm_given_bngrads_order_is_caught():
+    """The reverse mix-up: bngrad.torch.batch_norm takes F.batch_norm's order, so bngrad's order
+    puts the bias in running_var."""
+    torch = pytest.importorskip("torch")
+    import bngrad.torch as bt
+
+    x = torch.randn(4, 3)
+    weight, bias = torch.ones(3), torch.tensor([0.1, -0.2, 0.3])
+    running_mean, running_var = torch.zeros(3), torch.ones(3)
+    with pytest.raises(ValueError, match="running_var.*order"):
+        bt.batch_norm(x, weight, bias, running_mean, running_var, training=False)
