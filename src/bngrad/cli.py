@@ -28,7 +28,8 @@ BROKEN_PIPE_EXIT = 128 + 13     # the shell's status for a process killed by SIG
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="bngrad", description="Batch-norm gradients on NumPy arrays.")
+    parser = argparse.ArgumentParser(prog="bngrad",
+                                     description="Batch-norm gradients on NumPy arrays.")
     parser.add_argument("--version", action="version", version=f"bngrad {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
@@ -39,9 +40,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def flag_message(error: BaseException, flags: Mapping[str, str]) -> str:
+    """``error``'s message with its leading Python argument names (``param_dtype: ...``,
+    ``batch, channel: ...``) given as the command's flags (``--param-dtype: ...``)."""
+    text = str(error)
+    head, sep, rest = text.partition(": ")
+    names = [n.strip() for n in head.split(",")]
+    if sep and all(n in flags for n in names):
+        return ", ".join(flags[n] for n in names) + sep + rest
+    return text
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):   # stdout without a file descriptor
+        pass
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(import_module(args._module).run(args) or 0)
+    try:
+        code = int(import_module(args._module).run(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _silence_stdout()
+        return BROKEN_PIPE_EXIT
+    return code
 
 
 if __name__ == "__main__":
