@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import numpy as np
@@ -262,9 +263,64 @@ def test_errors_name_the_argument():
     x = torch.randn(4, 3)
     with pytest.raises(ValueError, match="running_mean"):
         bt.batch_norm(x, None, None, training=False)
-    with pytest.raises(ValueError, match=r"weight.*\(3,\)"):
+    with pytest.raises(ValueError, match=r"input has 3 channels.*weight has shape \(4,\)"):
         bt.batch_norm(x, None, None, torch.ones(4), training=True)
     with pytest.raises(TypeError, match="input must be float64"):
         bt.batch_norm(torch.ones(4, 3, dtype=torch.int64), None, None, training=True)
     with pytest.raises(TypeError, match="'input' must be Tensor"):
         bt.batch_norm(np.ones((4, 3)), None, None, training=True)
+
+
+@pytest.mark.parametrize("path", ["eager", "op"], indirect=True)
+@pytest.mark.parametrize("eps", [0.0, -1e-5, -1.0])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_eps_checks_match_pytorch(training, eps, path):
+    x, w, b, rm, rv = _inputs((4, 3, 2))
+    x[:, 0] = 2.5  # a constant channel: eps = 0 in training would divide by zero
+    try:
+        expected = F.batch_norm(x, rm.clone(), rv.clone(), w, b, training, 0.1, eps)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as ours:
+            bt.batch_norm(x, rm, rv, w, b, training, 0.1, eps)
+        assert str(ours.value) == str(exc)
+    else:  # eval mode with eps = 0 is allowed, as in PyTorch
+        assert eps == 0.0 and not training
+        assert torch.allclose(bt.batch_norm(x, rm, rv, w, b, training, 0.1, eps), expected)
+
+
+@pytest.mark.parametrize("path", ["eager", "op"], indirect=True)
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_empty_1d_input_matches_pytorch(training, affine, path):
+    def run(fn):
+        x = torch.randn(0, dtype=torch.float64, requires_grad=True)
+        w = torch.rand(3, dtype=torch.float64, requires_grad=True) if affine else None
+        b = torch.rand(3, dtype=torch.float64, requires_grad=True) if affine else None
+        rm, rv = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+        y = fn(x, rm, rv, w, b, training)
+        y.sum().backward()
+        return y, x.grad, None if w is None else w.grad, None if b is None else b.grad, rm, rv
+
+    ours, theirs = run(bt.batch_norm), run(F.batch_norm)
+    for name, a, e in zip(["output", "grad_input", "grad_weight", "grad_bias", "running_mean",
+                           "running_var"], ours, theirs):
+        if e is None:
+            assert a is None, name
+        else:
+            assert a.shape == e.shape and a.dtype == e.dtype and torch.equal(a, e), name
+
+
+@pytest.mark.parametrize("path", ["eager", "op"], indirect=True)
+def test_errors_speak_pytorch(path):
+    x = torch.randn(2, 7, 3)
+    with pytest.raises(ValueError, match=re.escape(
+            "input has 7 channels (dimension 1 of shape (2, 7, 3)), but weight has shape (8,)")):
+        bt.batch_norm(x, torch.zeros(7), torch.ones(7), torch.ones(8), None, True)
+    with pytest.raises(ValueError, match=re.escape("but running_mean has shape (8,)")):
+        bt.batch_norm(x, torch.zeros(8), torch.ones(8), None, None, False)
+    with pytest.raises(TypeError) as raised:
+        bt.batch_norm(x, torch.zeros(7), torch.ones(7), torch.ones(7),
+                      torch.zeros(7, dtype=torch.float64), True)
+    assert str(raised.value) == (
+        "bias has dtype torch.float64 but input has dtype torch.float32; convert one of them: "
+        "bias.to(torch.float32) or input.to(torch.float64)")

@@ -47,4 +47,4 @@ def test_bngrad_torch_without_torch_says_how_to_install():
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("ImportError "), result.stdout
-    assert "pip install bngrad[torch]" in result.stdout
+    assert "pip install '.[torch]'" in result.stdout

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import io
+import os
+import re
+import warnings
 
 import numpy as np
 import pytest
@@ -90,9 +93,121 @@ def test_is_a_drop_in():
                        device="cpu", dtype=torch.float32)
     t = nn.BatchNorm2d(4, eps=1e-3, momentum=None)
     assert isinstance(m, nn.BatchNorm2d)
-    assert repr(m) == repr(t)
     assert list(m.state_dict()) == list(t.state_dict()) == [
         "weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+
+
+def test_repr_tells_bngrad_layers_from_pytorchs():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, eps=1e-3), nn.BatchNorm2d(4))
+    state = copy.deepcopy(model.state_dict())
+    model[1] = bt.convert(model[1])  # model[2] stays PyTorch's
+    lines = repr(model).splitlines()
+    assert lines[2] == ("  (1): bngrad.torch.BatchNorm2d(4, eps=0.001, momentum=0.1, "
+                        "affine=True, bias=True, track_running_stats=True)"), lines[2]
+    assert lines[3].startswith("  (2): BatchNorm2d(4, "), lines[3]
+    assert repr(bt.BatchNorm1d(3)).startswith("bngrad.torch.BatchNorm1d(3, ")
+    assert repr(bt.BatchNorm3d(3)).startswith("bngrad.torch.BatchNorm3d(3, ")
+    assert repr(bt.SyncBatchNorm(3)).startswith("bngrad.torch.SyncBatchNorm(3, ")
+    # the state_dict is untouched: same keys, same values
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+
+
+# --- checks and messages in PyTorch's terms ---------------------------------------------------
+
+@pytest.mark.parametrize("eps", [0.0, -1e-5])
+@pytest.mark.parametrize("kind", ["1d-NC", "2d", "3d"])
+def test_eps_checks_match_torch(kind, eps):
+    ours_cls, torch_cls, shape = CLASSES[kind]
+    x = torch.randn(shape)
+    for training in (True, False):
+        ours, theirs = ours_cls(shape[1], eps=eps), torch_cls(shape[1], eps=eps)
+        ours.train(training)
+        theirs.train(training)
+        if training or eps < 0:
+            with pytest.raises(ValueError) as raised_ours:
+                ours(x)
+            with pytest.raises(ValueError) as raised_theirs:
+                theirs(x)
+            assert str(raised_ours.value) == str(raised_theirs.value)
+        else:  # eval with eps = 0 runs, as PyTorch's does
+            _close(ours(x), theirs(x), "eval output with eps=0")
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("kind", ["1d-NC", "2d", "3d"])
+def test_wrong_channel_count_names_the_module(kind, training):
+    ours_cls, _, shape = CLASSES[kind]
+    m = ours_cls(shape[1] + 1).train(training)
+    message = (f"bngrad.torch.{ours_cls.__name__}: input has {shape[1]} channels (dimension 1 "
+               f"of shape {shape}), the module expects {shape[1] + 1} (num_features)")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        m(torch.randn(shape))
+
+
+def test_wrong_parameter_dtype_advises_torch_conversions():
+    m = bt.BatchNorm2d(3).double()
+    with pytest.raises(TypeError) as raised:
+        m(torch.randn(2, 3, 4, 4))
+    message = str(raised.value)
+    assert "astype" not in message
+    assert ("bngrad.torch.BatchNorm2d: input has dtype torch.float32 but the module's weight has "
+            "dtype torch.float64") in message
+    assert "model.float()" in message and "input.to(torch.float64)" in message
+    # a half input may have float32 parameters, but not the other half type
+    m = bt.BatchNorm2d(3).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=r"model\.half\(\).*input\.to\(torch\.bfloat16\)"):
+        m(torch.randn(2, 3, 4, 4, dtype=torch.float16))
+    # an unsupported input dtype is blamed on the input, not on the parameters
+    with pytest.raises(TypeError, match="input must be float64, float32, float16 or bfloat16"):
+        bt.BatchNorm2d(3)(torch.ones(2, 3, 4, 4, dtype=torch.int32))
+
+
+# --- TorchScript and tracing --------------------------------------------------------------------
+
+def _small_model(momentum=0.1):
+    return bt.convert(nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4, momentum=momentum),
+                                    nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5),
+                                    nn.BatchNorm1d(5, momentum=momentum)))
+
+
+@pytest.mark.parametrize("layer", ["converted", "sync"])
+def test_torchscript_is_refused_clearly(layer):
+    model = (_small_model() if layer == "converted"
+             else nn.Sequential(nn.Linear(3, 3), bt.SyncBatchNorm(3)))
+    with pytest.raises(RuntimeError, match=r"bngrad.torch.(BatchNorm2d|SyncBatchNorm): bngrad's "
+                                           r"batch norm does not support TorchScript.*"
+                                           r"torch.compile or torch.export"):
+        torch.jit.script(model)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_jit_trace_is_clean_and_correct(training):
+    torch.manual_seed(0)
+    ours = _small_model().train(training)
+    theirs = bt.revert(copy.deepcopy(ours))
+    example = torch.randn(6, 3, 6, 6)
+    with warnings.catch_warnings(record=True) as caught:
+        traced = torch.jit.trace(ours, example)
+        traced_theirs = torch.jit.trace(theirs, example)
+    from_bngrad = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                   if os.path.dirname(bt.__file__) in os.path.abspath(w.filename)]
+    assert not from_bngrad, from_bngrad
+    for step in range(3):  # the traced model goes on updating its running statistics
+        x = torch.randn(5, 3, 6, 6)
+        _close(traced(x), traced_theirs(x), f"traced output, step {step}")
+        for (name, b), c in zip(ours.named_buffers(), theirs.buffers()):
+            if b.dtype == torch.long:
+                assert torch.equal(b, c), name
+            else:
+                _close(b, c, f"step {step} {name}")
+
+
+def test_jit_trace_refuses_a_cumulative_average_in_training():
+    model = _small_model(momentum=None)
+    with pytest.raises(RuntimeError, match=r"momentum=None\) cannot be traced in training mode"):
+        torch.jit.trace(model, torch.randn(6, 3, 6, 6))
+    torch.jit.trace(model.eval(), torch.randn(6, 3, 6, 6))  # eval mode: nothing is frozen
 
 
 @pytest.mark.parametrize("direction", ["torch->bngrad", "bngrad->torch"])

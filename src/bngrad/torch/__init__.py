@@ -9,7 +9,8 @@
 
 CPU tensors only; tensors on other devices are handed to PyTorch's own batch norm with a
 one-time warning (SyncBatchNorm across several ranks raises instead: it is the CPU's
-counterpart of torch.nn.SyncBatchNorm, which serves GPUs). Requires the optional dependency: ``pip install bngrad[torch]``.
+counterpart of torch.nn.SyncBatchNorm, which serves GPUs). The kernels follow
+``torch.get_num_threads()``. Requires PyTorch: ``pip install '.[torch]'`` in bngrad's clone.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ try:
     import torch  # noqa: F401
 except ImportError as exc:
     raise ImportError(
-        "bngrad.torch needs PyTorch, which is not installed. "
-        "Install it with: pip install bngrad[torch]") from exc
+        "bngrad.torch needs PyTorch, which is not installed. Install it from bngrad's clone "
+        "with: pip install '.[torch]'") from exc
 
 from . import ops  # noqa: E402  (registers torch.ops.bngrad.*)
 from .functional import batch_norm  # noqa: E402

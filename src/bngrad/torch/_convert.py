@@ -140,3 +140,45 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
+
+
+# --- the NumPy API's complaints, said in PyTorch's terms ----------------------------------------
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def allowed_param_dtypes(input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+    """dtypes a per-channel tensor may have for an input of ``input_dtype`` (the core's rule:
+    the input's own, or float32/float64 for float16/bfloat16 data)."""
+    return (input_dtype,) + ((torch.float32, torch.float64) if input_dtype in _HALF else ())
+
+
+def torch_terms(exc: Exception, input: torch.Tensor,
+                per_channel: dict[str, Optional[torch.Tensor]]) -> Exception:
+    """The error to raise for ``exc``, raised by the NumPy API on views of these tensors.
+
+    A per-channel tensor of the wrong length or dtype is described in tensor terms (channels
+    are dimension 1; dtypes change with ``.to(...)``); anything else keeps the original error.
+    Called only once the core has refused its arguments, so a correct call pays nothing.
+    """
+    if input.dtype not in _TORCH_TO_NUMPY:  # the input itself is refused: nothing to add
+        return exc
+    if isinstance(exc, ArgumentValueError) and input.dim() >= 2:
+        n_channels = input.shape[1]
+        for name, tensor in per_channel.items():
+            if isinstance(tensor, torch.Tensor) and tuple(tensor.shape) != (n_channels,):
+                return ArgumentValueError(
+                    f"input has {n_channels} channels (dimension 1 of shape "
+                    f"{tuple(input.shape)}), but {name} has shape {tuple(tensor.shape)}; "
+                    "weight, bias, running_mean and running_var need one value per channel")
+    if isinstance(exc, ArgumentTypeError):
+        allowed = allowed_param_dtypes(input.dtype)
+        for name, tensor in per_channel.items():
+            if isinstance(tensor, torch.Tensor) and tensor.dtype not in allowed:
+                also = (f" (a {input.dtype} input may also have float32 or float64 {name})"
+                        if input.dtype in _HALF else "")
+                return ArgumentTypeError(
+                    f"{name} has dtype {tensor.dtype} but input has dtype {input.dtype}; "
+                    f"convert one of them: {name}.to({input.dtype}) or "
+                    f"input.to({tensor.dtype}){also}")
+    return exc

@@ -12,6 +12,10 @@ Higher derivatives: when the backward itself is differentiated (``create_graph=T
 gradient penalties, gradgradcheck), the backward recomputes the forward with the custom op,
 whose graph is differentiable to any order, and differentiates that. Both paths compute the
 same numbers with the same kernels.
+
+Threads: every call passes ``num_threads=torch.get_num_threads()`` to the NumPy API, so
+``torch.set_num_threads`` limits bngrad's kernels too (a DataLoader worker that sets 1 thread
+runs them single-threaded).
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from torch import Tensor
 
 import bngrad
 
-from ._convert import from_numpy, to_numpy, to_numpy_optional
+from ..errors import ArgumentTypeError, ArgumentValueError
+from ._convert import from_numpy, to_numpy, to_numpy_optional, torch_terms
 
 __all__ = ["applies", "batch_norm"]
 
@@ -49,11 +54,16 @@ def _as(array, like: Optional[Tensor]):
 def _forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """(output, save_mean, save_invstd); running statistics updated in place in training."""
     output = torch.empty_like(input)
-    _, save_mean, save_invstd = bngrad.batch_norm_forward(
-        to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
-        to_numpy_optional(bias, "bias"), to_numpy_optional(running_mean, "running_mean"),
-        to_numpy_optional(running_var, "running_var"), train=training, momentum=momentum,
-        eps=eps, out=to_numpy(output))
+    try:
+        _, save_mean, save_invstd = bngrad.batch_norm_forward(
+            to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
+            to_numpy_optional(bias, "bias"), to_numpy_optional(running_mean, "running_mean"),
+            to_numpy_optional(running_var, "running_var"), train=training, momentum=momentum,
+            eps=eps, num_threads=torch.get_num_threads(), out=to_numpy(output))
+    except (ArgumentValueError, ArgumentTypeError) as exc:
+        raise torch_terms(exc, input, {"weight": weight, "bias": bias,
+                                       "running_mean": running_mean,
+                                       "running_var": running_var}) from None
     return output, save_mean, save_invstd
 
 
@@ -85,6 +95,7 @@ class _BatchNorm(torch.autograd.Function):
             to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),
             to_numpy_optional(running_var, "running_var"), ctx.save_mean, ctx.save_invstd,
             train=ctx.training, eps=ctx.eps, output_mask=mask,
+            num_threads=torch.get_num_threads(),
             out=None if grad_input is None else to_numpy(grad_input))
         return (grad_input, _as(grad_weight, weight), _as(grad_bias, bias)) + (None,) * 5
 

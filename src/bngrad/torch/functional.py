@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
 from typing import Optional
 
@@ -61,21 +62,36 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     Tensor
         Same shape, dtype and memory format as ``input``.
 
+    Raises
+    ------
+    ValueError
+        As :func:`torch.nn.functional.batch_norm`: one value per channel in training, or
+        ``eps <= 0`` in training (``eps < 0`` in eval). :class:`bngrad.ArgumentValueError` (a
+        ``ValueError``) or :class:`bngrad.ArgumentTypeError` (a ``TypeError``) for a
+        per-channel tensor of the wrong length or dtype, and any other unusable argument.
+
     Notes
     -----
     Tensors on any other device than the CPU (CUDA, MPS, ...) are passed to
     :func:`torch.nn.functional.batch_norm` instead, with a one-time ``RuntimeWarning``.
+    The kernels use at most ``torch.get_num_threads()`` threads.
     """
     if not isinstance(input, Tensor):
         raise TypeError(f"batch_norm(): argument 'input' must be Tensor, not "
                         f"{type(input).__name__}")
+    if training:
+        _verify_batch_size(input)
+    _verify_eps(eps, training)
     if not is_supported_device(input):
         if input.device.type != "meta":  # meta tensors carry no data: nothing to warn about
             _fallback_warning(input.device)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
-    if training:
-        _verify_batch_size(input.shape)
+    if input.dim() == 1 and input.numel() == 0:
+        # Nothing to normalise, and no channel axis to check against: PyTorch returns an empty
+        # result (still connected to weight and bias), so let PyTorch give it.
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                            eps)
     if _eager.applies(input):  # eager mode: straight to the NumPy API (see bngrad.torch._eager)
         return _eager.batch_norm(input, running_mean, running_var, weight, bias, bool(training),
                                  float(momentum), float(eps))
@@ -91,9 +107,33 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     return output
 
 
-def _verify_batch_size(size: torch.Size) -> None:
+def _verify_batch_size(input: Tensor) -> None:
     # Same check and message as torch.nn.functional.batch_norm.
-    size_prods = size[0] * math.prod(size[2:]) if len(size) >= 2 else 0
-    if size_prods == 1:
+    if torch.jit.is_tracing():
+        # torch.jit.trace records sizes as tensors, and comparing them prints a TracerWarning;
+        # but the check is meant to run once, at trace time, like PyTorch's own (whose
+        # warnings PyTorch silences for torch.nn).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", torch.jit.TracerWarning)
+            bad = bool(_values_per_channel(input.shape) == 1)
+    else:
+        bad = _values_per_channel(input.shape) == 1
+    if bad:
         raise ValueError(
-            f"Expected more than 1 value per channel when training, got input size {size}")
+            f"Expected more than 1 value per channel when training, got input size {input.shape}")
+
+
+def _values_per_channel(size: torch.Size) -> int:
+    return size[0] * math.prod(size[2:]) if len(size) >= 2 else 0
+
+
+def _verify_eps(eps: float, training: bool) -> None:
+    # Same checks and messages as torch.nn.functional.batch_norm (eps = 0 in training divides
+    # a constant channel by zero). Values that are not numbers, NaN and inf are refused by
+    # bngrad's own check, which names them.
+    if not isinstance(eps, numbers.Real):
+        return
+    if training and eps <= 0.0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
+    if eps < 0.0:
+        raise ValueError(f"batch_norm eps must be non-negative, but got {eps}")

@@ -1,9 +1,11 @@
 """Drop-in ``BatchNorm1d/2d/3d`` computed by bngrad, and model conversion both ways.
 
-Each class subclasses PyTorch's module of the same name and only replaces ``forward``, so the
+Each class subclasses PyTorch's module of the same name and replaces ``forward``, so the
 constructor, parameters, buffers, ``state_dict`` keys (``num_batches_tracked`` included),
-input checks and their messages, ``repr`` and ``isinstance(m, torch.nn.BatchNorm2d)`` are
-PyTorch's own, and a checkpoint saved from either loads into the other.
+input-dimension checks and their messages and ``isinstance(m, torch.nn.BatchNorm2d)`` are
+PyTorch's own, and a checkpoint saved from either loads into the other. The ``repr`` names
+the class ``bngrad.torch.BatchNorm2d``, so that ``print(model)`` shows which layers were
+converted. TorchScript (``torch.jit.script``) is refused with a clear error.
 """
 
 from __future__ import annotations
@@ -13,12 +15,36 @@ from typing import Dict, Type
 import torch
 from torch import Tensor, nn
 
+from ..errors import ArgumentTypeError, ArgumentValueError
+from ._convert import allowed_param_dtypes
 from .functional import batch_norm
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "convert", "revert"]
 
 
-class _BngradBatchNorm:
+_TO_METHOD = {torch.float64: "double", torch.float32: "float", torch.float16: "half",
+              torch.bfloat16: "bfloat16"}
+
+
+class _BngradModule:
+    """What every bngrad layer adds to PyTorch's: its name in repr, and a clear TorchScript
+    refusal."""
+
+    def _get_name(self) -> str:
+        # Used by repr (print(model)): tells bngrad's layers from PyTorch's at a glance.
+        return f"bngrad.torch.{type(self).__name__}"
+
+    def __prepare_scriptable__(self) -> None:
+        # torch.jit.script calls this on every module before compiling it; without it the
+        # error comes from deep inside TorchScript's compiler.
+        revert = (", or bngrad.torch.revert(model) to script it with PyTorch's batch norm"
+                  if type(self) in _TO_TORCH else "")
+        raise RuntimeError(
+            f"{self._get_name()}: bngrad's batch norm does not support TorchScript "
+            f"(torch.jit.script); use torch.compile or torch.export{revert}")
+
+
+class _BngradBatchNorm(_BngradModule):
     """The forward of ``torch.nn.modules.batchnorm._BatchNorm``, calling bngrad's batch_norm."""
 
     def forward(self, input: Tensor) -> Tensor:
@@ -29,14 +55,48 @@ class _BngradBatchNorm:
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
+                if torch.jit.is_tracing():
+                    # 1/num_batches_tracked would be frozen into the trace as a constant (a
+                    # custom op takes momentum as a float): the traced model would be wrong.
+                    raise RuntimeError(
+                        f"{self._get_name()}(momentum=None) cannot be traced in training mode: "
+                        "the cumulative average's factor changes every step and "
+                        "torch.jit.trace would freeze it. Trace in eval mode (model.eval()), "
+                        "set a momentum, or use torch.compile / torch.export")
                 exponential_average_factor = 1.0 / float(self.num_batches_tracked)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training or self.track_running_stats
-        return batch_norm(
-            input,
-            self.running_mean if use_buffers else None,
-            self.running_var if use_buffers else None,
-            self.weight, self.bias, bn_training, exponential_average_factor, self.eps)
+        try:
+            return batch_norm(
+                input,
+                self.running_mean if use_buffers else None,
+                self.running_var if use_buffers else None,
+                self.weight, self.bias, bn_training, exponential_average_factor, self.eps)
+        except (ArgumentValueError, ArgumentTypeError) as exc:
+            raise self._in_module_terms(exc, input) from None
+
+    def _in_module_terms(self, exc: Exception, input: Tensor) -> Exception:
+        """``exc`` (from the functional form) said in terms of this module, where it can be:
+        a wrong channel count or a parameter dtype that is not the input's."""
+        name = self._get_name()
+        if input.dtype not in _TO_METHOD:  # the input itself is refused: nothing to add
+            return exc
+        if isinstance(exc, ArgumentValueError) and input.shape[1] != self.num_features:
+            return ArgumentValueError(
+                f"{name}: input has {input.shape[1]} channels (dimension 1 of shape "
+                f"{tuple(input.shape)}), the module expects {self.num_features} "
+                "(num_features)")
+        if isinstance(exc, ArgumentTypeError):
+            allowed = allowed_param_dtypes(input.dtype)
+            for attr in ("weight", "bias", "running_mean", "running_var"):
+                tensor = getattr(self, attr)
+                if tensor is not None and tensor.dtype not in allowed:
+                    return ArgumentTypeError(
+                        f"{name}: input has dtype {input.dtype} but the module's {attr} has "
+                        f"dtype {tensor.dtype}; convert the model with "
+                        f"model.{_TO_METHOD[input.dtype]}() (or .to({input.dtype})), "
+                        f"or the input with input.to({tensor.dtype})")
+        return exc
 
 
 class BatchNorm1d(_BngradBatchNorm, nn.BatchNorm1d):

@@ -24,7 +24,7 @@ derivatives come out right too: PyTorch's own batch norm treats them as constant
 silently returns wrong third-order results.
 
 The real implementations run on CPU tensors only (see :mod:`bngrad.torch.functional` for the
-fallback on other devices).
+fallback on other devices), on at most ``torch.get_num_threads()`` threads.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ from torch import Tensor
 
 import bngrad
 
-from ._convert import from_numpy, to_numpy, to_numpy_optional
+from ..errors import ArgumentTypeError, ArgumentValueError
+from ._convert import from_numpy, to_numpy, to_numpy_optional, torch_terms
 
 __all__ = [
     "batch_norm_backward",
@@ -99,13 +100,18 @@ def batch_norm_forward(input: Tensor, weight: Optional[Tensor], bias: Optional[T
     # output is allocated by torch (the strides the fake implementation promises; compiled
     # graphs rely on them) and written in place by bngrad, as grad_input is in the backward.
     output = torch.empty_like(input)
-    _, save_mean, save_invstd = bngrad.batch_norm_forward(
-        to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
-        to_numpy_optional(bias, "bias"),
-        to_numpy_optional(new_mean if training else running_mean, "running_mean"),
-        to_numpy_optional(new_var if training else running_var, "running_var"),
-        train=training, momentum=momentum, eps=eps,
-        out=to_numpy(output))  # updates new_mean, new_var in place
+    try:
+        _, save_mean, save_invstd = bngrad.batch_norm_forward(
+            to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
+            to_numpy_optional(bias, "bias"),
+            to_numpy_optional(new_mean if training else running_mean, "running_mean"),
+            to_numpy_optional(new_var if training else running_var, "running_var"),
+            train=training, momentum=momentum, eps=eps, num_threads=torch.get_num_threads(),
+            out=to_numpy(output))  # updates new_mean, new_var in place
+    except (ArgumentValueError, ArgumentTypeError) as exc:
+        raise torch_terms(exc, input, {"weight": weight, "bias": bias,
+                                       "running_mean": running_mean,
+                                       "running_var": running_var}) from None
     stat = _stat_dtype(input)
     dev = input.device
     return (output, _vector(save_mean, stat, dev), _vector(save_invstd, stat, dev),
@@ -194,7 +200,7 @@ def batch_norm_backward(grad_out: Tensor, input: Tensor, weight: Optional[Tensor
         to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),
         to_numpy_optional(running_var, "running_var"), _stat_or_none(save_mean, "save_mean"),
         _stat_or_none(save_invstd, "save_invstd"), train=train, eps=eps,
-        output_mask=tuple(output_mask), out=to_numpy(grad_input) if output_mask[0] else None)
+        output_mask=tuple(output_mask), num_threads=torch.get_num_threads(), out=to_numpy(grad_input) if output_mask[0] else None)
     param = _param_dtype(input, weight, (running_mean, running_var, save_mean, save_invstd))
     return (grad_input, _vector(grad_weight, param, input.device),
             _vector(grad_bias, param, input.device))
@@ -348,7 +354,7 @@ def batch_norm_backward_reduce(grad_out: Tensor, input: Tensor, mean: Tensor, in
     sum_dy, sum_dy_xmu, grad_weight, grad_bias = bngrad.batch_norm_backward_reduce(
         to_numpy(grad_out, "grad_out"), to_numpy(input, "input"), to_numpy(mean, "mean"),
         to_numpy(invstd, "invstd"), to_numpy_optional(weight, "weight"), input_g, weight_g,
-        bias_g)
+        bias_g, num_threads=torch.get_num_threads())
     param = _param_dtype(input, weight, (mean, invstd))
     dev = input.device
     return (_vector(sum_dy, mean.dtype, dev), _vector(sum_dy_xmu, mean.dtype, dev),
@@ -376,7 +382,8 @@ def batch_norm_backward_elemt(grad_out: Tensor, input: Tensor, mean: Tensor, inv
         to_numpy(grad_out, "grad_out"), to_numpy(input, "input"), to_numpy(mean, "mean"),
         to_numpy(invstd, "invstd"), to_numpy_optional(weight, "weight"),
         to_numpy(sum_dy, "sum_dy"), to_numpy(sum_dy_xmu, "sum_dy_xmu"),
-        count.detach().cpu().numpy(), out=to_numpy(grad_input))
+        count.detach().cpu().numpy(), num_threads=torch.get_num_threads(),
+        out=to_numpy(grad_input))
     return grad_input
 
 
@@ -388,7 +395,8 @@ def _(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
 @torch.library.custom_op("bngrad::batch_norm_moments", mutates_args=(), device_types="cpu")
 def batch_norm_moments(input: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel (mean, biased variance) in float64, two-pass accurate."""
-    mean, var = bngrad.batch_norm_moments(to_numpy(input, "input"))
+    mean, var = bngrad.batch_norm_moments(to_numpy(input, "input"),
+                                          num_threads=torch.get_num_threads())
     return (_vector(mean, torch.float64, input.device), _vector(var, torch.float64, input.device))
 
 

@@ -33,7 +33,7 @@ import bngrad as _api  # the public core API
 from ..errors import ArgumentValueError, BngradError
 from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
-from .modules import _share_state
+from .modules import _BngradModule, _share_state
 
 __all__ = ["SyncBatchNorm", "CollectiveError", "combine_moments"]
 
@@ -114,7 +114,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         n_channels = x.shape[1]
         local_count = x.size // n_channels
         if local_count:
-            mean, var = _api.batch_norm_moments(x, channel_axis=1)
+            mean, var = _api.batch_norm_moments(x, channel_axis=1,
+                                                num_threads=torch.get_num_threads())
         else:
             mean = var = np.zeros(n_channels)
         buf = torch.from_numpy(np.concatenate([[local_count], mean, var * local_count]))
@@ -144,7 +145,8 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             # Eval-mode batch norm with the global statistics is exactly the normalisation step.
             out, _, _ = _api.batch_norm_forward(
                 x, to_numpy_optional(weight, "weight"), to_numpy_optional(bias, "bias"),
-                mean_s, gvar.astype(stat_dtype), train=False, eps=eps, channel_axis=1)
+                mean_s, gvar.astype(stat_dtype), train=False, eps=eps, channel_axis=1,
+                num_threads=torch.get_num_threads())
             output = from_numpy(out)
         else:
             output = torch.empty_like(input)
@@ -169,7 +171,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if input.numel():
             sum_dy, sum_dy_xmu, gw, gb = _api.batch_norm_backward_reduce(
                 dy, x, mean_np, invstd_np, w, need_input, need_weight, need_bias,
-                channel_axis=1)
+                channel_axis=1, num_threads=torch.get_num_threads())
             if need_weight:
                 grad_weight = from_numpy(np.asarray(gw)).to(weight.dtype)
             if need_bias:
@@ -190,13 +192,14 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             if input.numel():
                 s = sums.numpy().astype(mean_np.dtype)
                 grad_input = from_numpy(_api.batch_norm_backward_elemt(
-                    dy, x, mean_np, invstd_np, w, s[0], s[1], int(ctx.total), channel_axis=1))
+                    dy, x, mean_np, invstd_np, w, s[0], s[1], int(ctx.total), channel_axis=1,
+                    num_threads=torch.get_num_threads()))
             else:
                 grad_input = torch.zeros_like(input)
         return grad_input, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
-class SyncBatchNorm(_BatchNorm):
+class SyncBatchNorm(_BngradModule, _BatchNorm):
     r"""Batch norm over the whole global batch of a torch.distributed process group, on the CPU.
 
     The constructor, the state_dict (``weight``, ``bias``, ``running_mean``, ``running_var``,
