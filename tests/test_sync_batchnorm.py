@@ -311,7 +311,7 @@ def test_state_dict_and_constructor_match_torch():
     assert list(ours.state_dict()) == list(theirs.state_dict())
     assert (ours.eps, ours.momentum, ours.affine) == (1e-3, None, False)
     theirs.load_state_dict(SyncBatchNorm(5, affine=False).state_dict())
-    assert repr(ours).startswith("SyncBatchNorm(5, eps=0.001")
+    assert repr(ours).startswith("bngrad.torch.SyncBatchNorm(5, eps=0.001")
 
 
 def test_convert_sync_batchnorm_replaces_every_batchnorm_and_shares_state():
