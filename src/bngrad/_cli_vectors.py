@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import vectors
+from . import _cli_dsp_suite, vectors
 from .cli import flag_message
 from .errors import BngradError
 
@@ -19,11 +19,11 @@ FLAGS = {"batch": "--batch", "channel": "--channel", "dtype": "--dtype",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, required=True, help="batch size m (rows)")
-    parser.add_argument("--channel", type=int, required=True,
+    parser.add_argument("--batch", type=int, help="batch size m (rows)")
+    parser.add_argument("--channel", type=int,
                         help=f"number of channels (batch*channel <= 2**26 = "
                              f"{vectors.MAX_ELEMENTS})")
-    parser.add_argument("--dtype", choices=tuple(vectors.DTYPES), required=True,
+    parser.add_argument("--dtype", choices=tuple(vectors.DTYPES),
                         help="x, dy, dx: fp32 (fp_batch_norm_grad) or fp16 (hp_batch_norm_grad)")
     parser.add_argument("--param-dtype", choices=tuple(vectors.DTYPES), default=None,
                         help="mean, invar, scale, dbias, dscale (default: --dtype; fp16 data "
@@ -42,9 +42,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace golden vectors already in DIR (and remove the other "
                              "format's files bngrad wrote there); without it such a DIR is "
                              "refused")
+    _cli_dsp_suite.add_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.suite is not None:
+        return _cli_dsp_suite.run(args)
+    missing = [flag for flag in ("--batch", "--channel", "--dtype")
+               if getattr(args, flag[2:]) is None]
+    if missing:
+        print(f"bngrad vectors: error: {', '.join(missing)}: required (or --suite dsp)",
+              file=sys.stderr)
+        return 2
     try:
         manifest = vectors.write_vectors(
             args.out, args.batch, args.channel, args.dtype, train=not args.eval,

@@ -20,6 +20,10 @@ SUBCOMMANDS = {
     "bench": ("bngrad._cli_bench", "time bngrad against PyTorch and the memory floor"),
     "vectors": ("bngrad._cli_vectors", "write golden test vectors for the DSP BatchNormGrad"),
     "compare": ("bngrad._cli_compare", "compare a device's outputs with golden vectors"),
+    "dsp-kit": ("bngrad._cli_dsp_kit", "write the C99 harness and host reference for the DSP "
+                "BatchNormGrad"),
+    "dsp-check": ("bngrad._cli_dsp_check", "compare the harness's outputs for every case of a "
+                  "vector suite"),
     "precompile": ("bngrad._precompile", "compile every kernel now, so no first call waits"),
 }
 BROKEN_PIPE_EXIT = 128 + 13     # the shell's status for a process killed by SIGPIPE

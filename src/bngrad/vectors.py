@@ -25,6 +25,10 @@ Distributions
     error a device shows is its own. Needs an even batch (with an odd one no choice of
     values makes 1/sqrt(var) a power of two for every channel); sizes where exactness cannot
     be kept are refused with an explanation.
+``offset`` / ``huge`` / ``subnormal`` / ``zerovar``
+    Value regimes that break naive kernels (|mean| >> std, values near the dtype's maximum,
+    subnormal dy, zero-variance channels; see :mod:`bngrad._dsp_regimes`); mean, invar and
+    the default tolerances as for ``normal``.
 
 Default tolerances (stored in the manifest, per output)
 -------------------------------------------------------
@@ -73,7 +77,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Optional, Union
 
 import numpy as np
 
-from . import reference
+from . import _dsp_regimes, reference
 from ._validate import boolean, positive_int
 from .errors import ArgumentTypeError, ArgumentValueError
 
@@ -98,7 +102,7 @@ __all__ = [
 ]
 
 DTYPES: dict[str, np.dtype] = {"fp32": np.dtype(np.float32), "fp16": np.dtype(np.float16)}
-DISTRIBUTIONS = ("normal", "uniform", "exact")
+DISTRIBUTIONS = ("normal", "uniform", "exact") + tuple(_dsp_regimes.REGIMES)
 FORMATS = ("bin", "npz")
 INPUTS = ("x", "dy", "mean", "invar", "scale")
 OUTPUTS = ("dx", "dbias", "dscale")
@@ -403,7 +407,10 @@ def generate(batch: int, channel: int, dtype: str = "fp32", *, train: bool = Tru
         stored = {n: drawn[n].astype(dtypes[n]) for n in INPUTS}
         assert all(np.array_equal(stored[n], drawn[n]) for n in INPUTS)  # exact by construction
     else:
-        drawn, eps = _draw_random(rng, batch, channel, dist)
+        if dist in _dsp_regimes.REGIMES:   # value regimes that break naive kernels
+            drawn, eps = _dsp_regimes.draw(rng, batch, channel, dist, data_t), EPS
+        else:
+            drawn, eps = _draw_random(rng, batch, channel, dist)
         stored = {n: drawn[n].astype(dtypes[n]) for n in ("x", "dy", "scale")}
         mean, invar = _statistics(rng, stored["x"].astype(np.float64), train, eps)
         stored["mean"], stored["invar"] = mean.astype(param_t), invar.astype(param_t)
