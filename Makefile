@@ -20,6 +20,20 @@ $(VENV)/.test: $(VENV)/.base
 test: $(VENV)/.test
 	$(PY) -m pytest -q
 
+# The DSP kit on the whole vector suite (docs/dsp.md): written fresh, built with the system C
+# compiler twice (strict C99, then AddressSanitizer/UBSan), run, and every case compared.
+DSP_CHECK := build/dsp-check
+.PHONY: dsp-check
+dsp-check: $(VENV)/.base
+	rm -rf $(DSP_CHECK)
+	$(VENV)/bin/bngrad vectors --suite dsp --out $(DSP_CHECK)/suite
+	$(VENV)/bin/bngrad dsp-kit --out $(DSP_CHECK)/kit
+	$(MAKE) -s -C $(DSP_CHECK)/kit run SUITE=$(CURDIR)/$(DSP_CHECK)/suite
+	$(VENV)/bin/bngrad dsp-check $(DSP_CHECK)/suite
+	find $(DSP_CHECK)/suite -name '*.out.bin' -delete
+	$(MAKE) -s -C $(DSP_CHECK)/kit run-asan SUITE=$(CURDIR)/$(DSP_CHECK)/suite
+	$(VENV)/bin/bngrad dsp-check $(DSP_CHECK)/suite
+
 # The benchmark compares against the same pinned PyTorch as the tests.
 bench: $(VENV)/.test
 	$(PY) -m bngrad bench --suite quick

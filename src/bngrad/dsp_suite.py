@@ -29,7 +29,7 @@ import secrets
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 from . import _dsp_regimes, vectors
 from .errors import ArgumentValueError
@@ -218,14 +218,16 @@ def _write_text(path: Path, text: Union[str, bytes]) -> None:
         raise
 
 
-def write_suite(out_dir: PathLike, suite: str = "dsp", *, overwrite: bool = False
-                ) -> list[Case]:
+def write_suite(out_dir: PathLike, suite: str = "dsp", *, overwrite: bool = False,
+                cases: Optional[Sequence[Case]] = None) -> list[Case]:
     """Write the standard suite under ``out_dir`` (created if needed); returns its cases.
 
     Parameters
     ----------
     out_dir : str or Path
     suite : "dsp"
+    cases : sequence of Case, optional
+        Only these (e.g. a few of :data:`CASES` for a small board); default all of the suite.
     overwrite : bool
         Replace a suite already there (``index.txt``, and per case the files
         ``bngrad vectors`` writes, ``case.txt`` and the harness's ``*.out.bin``, which would
@@ -243,11 +245,14 @@ def write_suite(out_dir: PathLike, suite: str = "dsp", *, overwrite: bool = Fals
     """
     if suite not in SUITES:
         raise ArgumentValueError(f"suite: expected one of {', '.join(SUITES)}, got {suite!r}")
+    cases = CASES if cases is None else tuple(cases)
+    if not cases or not all(isinstance(case, Case) for case in cases):
+        raise ArgumentValueError(f"cases: expected a non-empty sequence of Case, got {cases!r}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ArgumentValueError(f"out_dir: {out} exists and is not a directory")
     present = [INDEX] if os.path.lexists(out / INDEX) else []
-    present += [case.name for case in CASES if os.path.lexists(out / case.name / vectors.MANIFEST)]
+    present += [case.name for case in cases if os.path.lexists(out / case.name / vectors.MANIFEST)]
     if present and not overwrite:
         shown = ", ".join(present[:3]) + (f" and {len(present) - 3} more" if len(present) > 3
                                            else "")
@@ -257,7 +262,7 @@ def write_suite(out_dir: PathLike, suite: str = "dsp", *, overwrite: bool = Fals
     out.mkdir(parents=True, exist_ok=True)
     index = [f"# bngrad DSP vector suite {suite}: one case directory per line, "
              "# what it exercises"]
-    for case in CASES:
+    for case in cases:
         case_dir = out / case.name
         golden = vectors.generate(case.batch, case.channel, case.dtype, train=case.train,
                                   seed=case.seed, dist=case.dist, param_dtype=case.param_dtype)
@@ -273,7 +278,7 @@ def write_suite(out_dir: PathLike, suite: str = "dsp", *, overwrite: bool = Fals
                 stale.unlink()
         index.append(f"{case.name}  # {'; '.join(case.exercises()[:1] + case.exercises()[2:])}")
     _write_text(out / INDEX, "\n".join(index) + "\n")
-    return list(CASES)
+    return list(cases)
 
 
 def write_kit(out_dir: PathLike, *, overwrite: bool = False) -> list[str]:

@@ -304,9 +304,12 @@ static int read_le(const char *dir, const char *name, unsigned char *buf, size_t
     }
     fclose(f);
     if (got != count * size || extra != EOF) {
-        sprintf(msg, "%s bytes, expected %lu (%lu values of %lu bytes, little-endian)",
-                extra != EOF ? "more than" : "fewer", (unsigned long)(count * size),
-                (unsigned long)count, (unsigned long)size);
+        if (extra != EOF)
+            sprintf(msg, "has more than %lu bytes, ", (unsigned long)got);
+        else
+            sprintf(msg, "has %lu bytes, ", (unsigned long)got);
+        sprintf(msg + strlen(msg), "expected %lu (%lu values of %lu bytes, little-endian)",
+                (unsigned long)(count * size), (unsigned long)count, (unsigned long)size);
         return fail(dir, name, msg);
     }
     from_le(buf, count, size);
