@@ -38,5 +38,16 @@ dsp-check: $(VENV)/.base
 bench: $(VENV)/.test
 	$(PY) -m bngrad bench --suite quick
 
+# ruff and mypy, pinned in pyproject's lint extra (their settings are there too). On top of the
+# test environment: mypy checks bngrad.torch against the pinned PyTorch.
+.PHONY: lint
+$(VENV)/.lint: $(VENV)/.test
+	$(PIP) -e '.[lint]'
+	touch $@
+
+lint: $(VENV)/.lint
+	$(PY) -m ruff check src tests benchmarks examples
+	$(PY) -m mypy
+
 clean:
 	rm -rf $(VENV) build src/*.egg-info

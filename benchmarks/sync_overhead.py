@@ -59,8 +59,9 @@ def _rank(rank: int, world: int, port: int, threads: int, repeat: int, queue) ->
     from bngrad.torch.sync import _SyncBatchNormFunction
 
     alone = [dist.new_group([r]) for r in range(world)][rank]
-    rows = []
-    for shape in SHAPES:
+
+    def make_variants(shape: tuple[int, ...]) -> dict:
+        """The five timed steps for one layer shape, each closing over this call's tensors."""
         C = shape[1]
         torch.manual_seed(rank)
         x = torch.randn(shape).requires_grad_(True)
@@ -89,8 +90,12 @@ def _rank(rank: int, world: int, port: int, threads: int, repeat: int, queue) ->
                                          solo.running_var, solo.eps, 0.1, alone, 1,
                                          "compute").backward(g)
 
-        variants = {"local": step(layers["local"]), "sync": step(layers["sync"]),
-                    "comm": comm, "compute": compute, "torch": step(layers["torch"])}
+        return {"local": step(layers["local"]), "sync": step(layers["sync"]),
+                "comm": comm, "compute": compute, "torch": step(layers["torch"])}
+
+    rows = []
+    for shape in SHAPES:
+        variants = make_variants(shape)
         for fn in variants.values():  # warm-up: JIT, the one-off channel check, caches
             for _ in range(3):
                 fn()
@@ -109,7 +114,7 @@ def _rank(rank: int, world: int, port: int, threads: int, repeat: int, queue) ->
                 fn()
                 times[name].append(time.perf_counter() - t0)
         med = {name: statistics.median(t) for name, t in times.items()}
-        rows.append({"shape": shape, "C": C, "volume": volume, "median_s": med})
+        rows.append({"shape": shape, "C": shape[1], "volume": volume, "median_s": med})
     dist.barrier()
     queue.put((rank, rows))
     os._exit(0)

@@ -159,9 +159,11 @@ def scenarios(rank: int, world: int, cases: list[dict]) -> dict:
 
         fmt = torch.channels_last_3d if case["X"][0].ndim == 5 else torch.channels_last
 
+        # Called only in this iteration (the steps below), so the loop variables it reads late
+        # are this case's own: B023's late-binding hazard does not arise.
         def local(a: Any) -> Any:
-            t = from_numpy(np.ascontiguousarray(a[lo:hi]).astype(numpy_dtype(dtype)))
-            return t.contiguous(memory_format=fmt) if case["channels_last"] else t
+            t = from_numpy(np.ascontiguousarray(a[lo:hi]).astype(numpy_dtype(dtype)))  # noqa: B023
+            return t.contiguous(memory_format=fmt) if case["channels_last"] else t  # noqa: B023
 
         steps = []
         for X, G in zip(case["X"], case["G"]):

@@ -1,4 +1,5 @@
-"""Shared cases of the bngrad test suite: dtypes, memory layouts, shapes, modes, and the PyTorch bridge.
+"""Shared cases of the bngrad test suite: dtypes, memory layouts, shapes, modes, and the PyTorch
+bridge.
 
 Test modules import these helpers directly (``from conftest import ...``; tests/ is on
 sys.path) and build their parametrised matrices from them, so that every test file speaks

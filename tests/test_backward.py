@@ -129,7 +129,8 @@ def test_backward_layouts_match_torch(pair, variant, axis):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("data", [F16, BF16], ids=["float16", "bfloat16"])
 def test_mixed_precision_dtypes(data, mode):
-    """Half data + float32 parameters: float32 grad_weight/grad_bias, grad_input in input's dtype."""
+    """Half data + float32 parameters: float32 grad_weight/grad_bias, grad_input in input's
+    dtype."""
     case = make_case((4, 3, 5), 1, DTYPE_VARIANT[f"{np.dtype(data).name}-p32"], mode, True)
     gi, gw, gb = check_backward(case)
     assert_dtype(gi, data, "grad_input")

@@ -317,7 +317,8 @@ def test_state_dict_and_constructor_match_torch():
 def test_convert_sync_batchnorm_replaces_every_batchnorm_and_shares_state():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
                               torch.nn.Sequential(torch.nn.BatchNorm2d(2, momentum=0.3)),
-                              torch.nn.BatchNorm3d(3, affine=False), torch.nn.BatchNorm2d(2, bias=False))
+                              torch.nn.BatchNorm3d(3, affine=False),
+                              torch.nn.BatchNorm2d(2, bias=False))
     net[1].running_mean.fill_(2.0)
     net.eval()
     pg = object()

@@ -117,7 +117,8 @@ def assert_close(actual: Any, expected: Any, dtype: Any = None, what: str = "res
         idx = np.unravel_index(np.argmax(np.where(finite, err - bound, -np.inf)), exp.shape)
         raise AssertionError(
             f"{what} ({np.dtype(dtype).name} tolerance atol={atol:g}*scale, rtol={rtol:g}): "
-            f"{int(bad.sum())} of {exp.size} elements out of tolerance; worst at {tuple(int(i) for i in idx)}: "
+            f"{int(bad.sum())} of {exp.size} elements out of tolerance; "
+            f"worst at {tuple(int(i) for i in idx)}: "
             f"got {act[idx]:.9g}, expected {exp[idx]:.9g}, error {err[idx]:.3g} > bound "
             f"{bound[idx]:.3g} (scale {scale[idx]:.3g})")
 

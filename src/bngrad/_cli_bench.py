@@ -253,7 +253,7 @@ def _notes(result) -> List[str]:
                      f"{result.machine['cores']} cores busy on average during the run: the "
                      "figures are noisy (PyTorch's OpenMP suffers most); rerun on an idle "
                      "machine to trust them.[/yellow]")
-    skipped = {}
+    skipped: dict[str, str] = {}
     for c in cases:
         for name, why in c.skipped.items():
             skipped.setdefault(name, why)

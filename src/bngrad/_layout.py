@@ -41,7 +41,15 @@ class Plan:
     order: tuple[int, ...]         # memory order of the logical axes used for x, dy and outputs
     copied: tuple[str, ...]        # arguments that had to be copied (shown when debugging)
 
-    def empty_output(self, shape: tuple[int, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def grad(self) -> np.ndarray:
+        """``dy`` of a plan made with a grad_out (every backward's)."""
+        if self.dy is None:
+            raise TypeError("this plan was made without a grad_out")
+        return self.dy
+
+    def empty_output(self, shape: tuple[int, ...], dtype: np.dtype
+                     ) -> tuple[np.ndarray, np.ndarray]:
         """(kernel view, user array) of a new array shaped like input, in the plan's order."""
         memory = np.empty(tuple(shape[axis] for axis in self.order), dtype=dtype)
         user = memory.transpose(np.argsort(self.order))

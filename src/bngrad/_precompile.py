@@ -53,16 +53,15 @@ def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> N
         C = shape[1]
         w, b = np.ones(C, param), np.zeros(C, param)
         rm, rv = np.zeros(C, param), np.ones(C, param)
-        kw = dict(num_threads=num_threads)
-        _, mean, invstd = bngrad.batch_norm_forward(x, w, b, rm, rv, True, **kw)
-        bngrad.batch_norm_forward(x, w, b, rm, rv, False, **kw)
-        bngrad.batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True, **kw)
-        bngrad.batch_norm_backward(dy, x, w, rm, rv, None, None, False, **kw)
+        _, mean, invstd = bngrad.batch_norm_forward(x, w, b, rm, rv, True, num_threads=num_threads)
+        bngrad.batch_norm_forward(x, w, b, rm, rv, False, num_threads=num_threads)
+        bngrad.batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True, num_threads=num_threads)
+        bngrad.batch_norm_backward(dy, x, w, rm, rv, None, None, False, num_threads=num_threads)
         bngrad.batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True,
-                                   output_mask=(False, True, True), **kw)
-        sums = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w, **kw)
+                                   output_mask=(False, True, True), num_threads=num_threads)
+        sums = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w, num_threads=num_threads)
         bngrad.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums[0], sums[1],
-                                         x.size // C, **kw)
+                                         x.size // C, num_threads=num_threads)
 
 
 def precompile(dtypes: Optional[Iterable[str]] = None,

@@ -88,6 +88,10 @@ def param_vector(name: str, value: Any, input: np.ndarray, axis: int) -> Optiona
     """
     if value is None:
         return None
+    return _param_array(name, value, input, axis)
+
+
+def _param_array(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndarray:
     if hasattr(value, "__torch_function__"):
         raise ArgumentTypeError(f"{name}: expected a NumPy array, got a torch.Tensor")
     array = np.asarray(value)
@@ -130,7 +134,7 @@ def required_param_vector(name: str, value: Any, input: np.ndarray, axis: int) -
     if value is None:
         raise ArgumentValueError(
             f"{name}: expected an array of shape ({input.shape[axis]},), got None")
-    return param_vector(name, value, input, axis)
+    return _param_array(name, value, input, axis)
 
 
 def running_var(value: Optional[np.ndarray]) -> None:
@@ -170,14 +174,19 @@ def save_stats(save_mean: Any, save_invstd: Any) -> tuple[Any, Any]:
 
 
 def running_stats_for_eval(train: bool, running_mean: Optional[np.ndarray],
-                           running_var: Optional[np.ndarray]) -> None:
-    """Eval mode normalises with the running statistics: both must be given."""
-    if not train and (running_mean is None or running_var is None):
+                           running_var: Optional[np.ndarray]
+                           ) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """Eval mode normalises with the running statistics: both must be given. Returns them in
+    eval mode, None in train mode."""
+    if train:
+        return None
+    if running_mean is None or running_var is None:
         raise ArgumentValueError(
             "running_mean, running_var: expected both in eval mode (train=False), got "
             f"running_mean={'None' if running_mean is None else 'an array'}, "
             f"running_var={'None' if running_var is None else 'an array'}; "
             "pass the running statistics or use train=True")
+    return running_mean, running_var
 
 
 def param_dtype(input_dtype: np.dtype, weight: Optional[np.ndarray],
@@ -291,7 +300,8 @@ def same_view(a: np.ndarray, b: np.ndarray) -> bool:
             and a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype)
 
 
-def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]) -> Optional[np.ndarray]:
+def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]
+              ) -> Optional[np.ndarray]:
     """The optional ``out`` buffer for grad_input/output: input's shape and dtype, writable.
 
     It may be the very same array as input or grad_out (the result is computed element by

@@ -265,7 +265,7 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
                                   ("running_var", running_var), ("save_mean", save_mean),
                                   ("save_invstd", save_invstd))}
     check.running_var(params["running_var"])
-    check.running_stats_for_eval(train, params["running_mean"], params["running_var"])
+    running = check.running_stats_for_eval(train, params["running_mean"], params["running_var"])
     out_dtype = check.param_dtype(input.dtype, params["weight"],
                                   [params[n] for n in ("running_mean", "running_var",
                                                        "save_mean", "save_invstd")])
@@ -276,8 +276,8 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         layout = plan(input, grad_out, axis)
         if count == 0:
             mean = invstd = np.zeros(n_channels)
-        elif not train:
-            mean, invstd = _eval_stats(params["running_mean"], params["running_var"], eps)
+        elif running is not None:  # eval mode
+            mean, invstd = _eval_stats(*running, eps)
         elif params["save_mean"] is None or params["save_invstd"] is None:
             mean, var = _moments(layout.x, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
@@ -292,21 +292,25 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         if count == 0:
             sums = (np.zeros(n_channels), np.zeros(n_channels))
         elif mask[0] and train:
-            sums = kernels.backward_train(layout.x, layout.dy, grad_kernel, mean, invstd, w,
+            sums = kernels.backward_train(layout.x, layout.grad, grad_kernel, mean, invstd, w,
                                           count, kernels.compute_dtype(input.dtype))
         else:
             if mask[1] or mask[2]:
-                sums = kernels.reduce(layout.x, layout.dy, mean)
+                sums = kernels.reduce(layout.x, layout.grad, mean)
             if mask[0]:
                 coef = np.zeros((4, n_channels), dtype=kernels.compute_dtype(input.dtype))
                 coef[0] = invstd * w
-                kernels.elemt(layout.dy, layout.dy, grad_kernel, coef, False)
+                kernels.elemt(layout.grad, layout.grad, grad_kernel, coef, False)
 
-    if mask[0]:
+    if grad_input is not None:  # mask[0]
         grad_input = finish_output(grad_input, out)
-    grad_weight = sums[1] * invstd if mask[1] else None
-    grad_bias = sums[0] if mask[2] else None
-    return grad_input, _as_param_dtype(grad_weight, out_dtype), _as_param_dtype(grad_bias, out_dtype)
+    grad_weight = grad_bias = None
+    if mask[1] or mask[2]:
+        assert sums is not None  # every branch above takes the sums when these are asked for
+        grad_weight = sums[1] * invstd if mask[1] else None
+        grad_bias = sums[0] if mask[2] else None
+    return (grad_input, _as_param_dtype(grad_weight, out_dtype),
+            _as_param_dtype(grad_bias, out_dtype))
 
 
 def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any,
@@ -352,7 +356,7 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
             sum_dy, sum_dy_xmu = np.zeros(n_channels), np.zeros(n_channels)
         else:
             layout = plan(input, grad_out, axis)
-            sum_dy, sum_dy_xmu = kernels.reduce(layout.x, layout.dy, mean.astype(np.float64))
+            sum_dy, sum_dy_xmu = kernels.reduce(layout.x, layout.grad, mean.astype(np.float64))
     grad_weight = sum_dy_xmu * invstd.astype(np.float64)
     return (sum_dy.astype(mean.dtype) if flags[0] else None,
             sum_dy_xmu.astype(mean.dtype) if flags[0] else None,
@@ -403,5 +407,5 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
             coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
                                               f64["invstd"], _f64(weight, n_channels, 1.0),
                                               total, kernels.compute_dtype(input.dtype))
-            kernels.elemt(layout.x, layout.dy, grad_kernel, coef, True)
+            kernels.elemt(layout.x, layout.grad, grad_kernel, coef, True)
     return finish_output(grad_input, out)

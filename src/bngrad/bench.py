@@ -392,6 +392,7 @@ def floor_pass(grad_out: np.ndarray, input: np.ndarray, a: np.ndarray, b: np.nda
     """
     flat = make_floor(grad_out, input, a, b, num_threads, channel_axis)()
     order = _dense_order(input)
+    assert order is not None  # make_floor refuses an input that is not dense
     memory = flat.view(input.dtype).reshape(tuple(input.shape[d] for d in order))
     return memory.transpose(np.argsort(order))
 
@@ -409,18 +410,18 @@ def _import_torch():
         import torch
         from bngrad.torch._convert import from_numpy
     except ImportError as exc:
-        raise Unavailable("PyTorch is not installed (pip install '.[torch]' in bngrad's clone to compare "
-                          f"against it): {exc}") from None
+        raise Unavailable("PyTorch is not installed (pip install '.[torch]' in bngrad's clone "
+                          f"to compare against it): {exc}") from None
     return torch, from_numpy
 
 
-def _bngrad(data: CaseData, threads: int, opts: "Options") -> Callable[[], Any]:
+def _bngrad(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
     fn, d = bngrad.batch_norm_backward, data
     return lambda: fn(d.grad_out, d.input, d.weight, None, None, d.save_mean, d.save_invstd,
                       True, EPS, (True, True, True), channel_axis=1, num_threads=threads)
 
 
-def _torch(data: CaseData, threads: int, opts: "Options") -> Callable[[], Any]:
+def _torch(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
     torch, from_numpy = _import_torch()
     dy, x, w, m, s = (from_numpy(a) for a in (data.grad_out, data.input, data.weight,
                                               data.save_mean, data.save_invstd))
@@ -434,7 +435,7 @@ def _torch(data: CaseData, threads: int, opts: "Options") -> Callable[[], Any]:
     return run
 
 
-def _reference(data: CaseData, threads: int, opts: "Options") -> Callable[[], Any]:
+def _reference(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
     n = data.input.size
     if n > opts.reference_cap:
         raise Unavailable(f"NumPy reference timed only up to {opts.reference_cap:,} elements "
@@ -445,7 +446,7 @@ def _reference(data: CaseData, threads: int, opts: "Options") -> Callable[[], An
                                                  (True, True, True), channel_axis=1)
 
 
-def _floor(data: CaseData, threads: int, opts: "Options", in_place: bool = False
+def _floor(data: CaseData, threads: int, opts: Options, in_place: bool = False
            ) -> Callable[[], Any]:
     # coefficients of the magnitude a real backward uses: weight*invstd, and a small b
     a = data.weight * data.save_invstd
@@ -453,7 +454,7 @@ def _floor(data: CaseData, threads: int, opts: "Options", in_place: bool = False
     return make_floor(data.floor_dy, data.floor_x, a, b, threads, in_place=in_place)
 
 
-def _floor_in_place(data: CaseData, threads: int, opts: "Options") -> Callable[[], Any]:
+def _floor_in_place(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
     return _floor(data, threads, opts, in_place=True)
 
 
@@ -581,7 +582,7 @@ def measure_extra_memory(fn: Callable[[], Any], output_bytes: int) -> Dict[str, 
     hwm = _read_status_kib("VmHWM")
     del result
     rss_extra = None
-    if reset and hwm is not None:
+    if reset and rss0 is not None and hwm is not None:
         rss_extra = max(0, (hwm - rss0) * 1024 - output_bytes)
     return {"rss_extra": rss_extra, "numpy_traced_peak": traced_peak}
 
@@ -743,8 +744,8 @@ def run_case(case: Case, opts: Options,
 
 def geomean(values: Iterable[Optional[float]]) -> Optional[float]:
     """Geometric mean of the positive values (None and zeros left out); None when there are none."""
-    values = [v for v in values if v is not None and v > 0]
-    return float(np.exp(np.mean(np.log(values)))) if values else None
+    positive = [v for v in values if v is not None and v > 0]
+    return float(np.exp(np.mean(np.log(positive)))) if positive else None
 
 
 def _agreement(fns: Dict[str, Callable[[], Any]]) -> Optional[float]:
@@ -782,8 +783,8 @@ class SuiteResult:
             rates = [c.gbps() for c in cs if c.case.dtype == dtype and c.gbps()]
             if rates:
                 per_byte[dtype] = geomean(rates)
-        extras = [c.extra_memory.get("bngrad", {}).get("rss_extra") for c in cs]
-        extras = [e for e in extras if e is not None]
+        rss_extras = [c.extra_memory.get("bngrad", {}).get("rss_extra") for c in cs]
+        extras = [e for e in rss_extras if e is not None]
         diffs = [(c.max_rel_diff_vs_torch, c) for c in cs if c.max_rel_diff_vs_torch is not None]
         largest_diff = max(diffs, key=lambda p: p[0]) if diffs else None
         det = [c.deterministic_across_threads for c in cs
@@ -826,7 +827,7 @@ class SuiteResult:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> "SuiteResult":
+    def from_json(cls, data: dict) -> SuiteResult:
         """Rebuild a result from :meth:`to_json`'s output (to re-render a saved run)."""
         o = data["options"]
         opts = Options(threads=o["threads"], repeat=o["repeat"], reference_cap=o["reference_cap"],
@@ -843,7 +844,7 @@ class SuiteResult:
         return cls(data["suite"], opts, dict(data["machine"]), cases, data.get("startup"))
 
     @classmethod
-    def read_json(cls, path: str) -> "SuiteResult":
+    def read_json(cls, path: str) -> SuiteResult:
         with open(path) as f:
             return cls.from_json(json.load(f))
 
@@ -868,7 +869,9 @@ class _TorchThreads:
     """Set torch's (process-global) thread count for the run, restore it afterwards."""
 
     def __init__(self, threads: int):
-        self.threads, self.previous, self.torch = threads, None, None
+        self.threads = threads
+        self.previous: Optional[int] = None
+        self.torch: Any = None  # the torch module, once imported
 
     def __enter__(self):
         try:

@@ -266,6 +266,7 @@ def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
         _, dscale, dbias = api.batch_norm_backward(
             dy, x, weight=scale, save_mean=mean, save_invstd=invar, train=True,
             num_threads=num_threads, out=dx)
+        assert dscale is not None and dbias is not None  # the default output_mask asks for both
         return dscale, dbias
     # Eval: the core's eval mode takes running_var and derives invstd = 1/sqrt(var + eps); the
     # DSP passes invar itself, which no running_var reproduces exactly. So the sums come from
@@ -274,6 +275,7 @@ def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
     _, _, dscale, dbias = api.batch_norm_backward_reduce(
         dy, x, mean, invar, weight=scale, input_g=False, weight_g=True, bias_g=True,
         num_threads=num_threads)
+    assert dscale is not None and dbias is not None  # weight_g and bias_g
     factor = invar.astype(np.float64) * scale.astype(np.float64)
     np.multiply(dy, factor, out=dx, dtype=np.float64, casting="same_kind")
     return dscale, dbias

@@ -1,4 +1,4 @@
-"""bngrad's exceptions: ordinary ValueError / TypeError subclasses, so callers catch them as usual."""
+"""bngrad's exceptions: ValueError / TypeError subclasses, so callers catch them as usual."""
 
 from __future__ import annotations
 
