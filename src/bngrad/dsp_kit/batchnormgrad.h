@@ -54,6 +54,10 @@ typedef half bng_hp_param;
 
 #define BNG_PARAMS_LEN 12
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* shared storage: one worker per core set in core_mask (0xff = 8 cores) */
 void fp_batch_norm_grad_s(float *x, float *dy, float *dx, long long *params, int core_mask);
 void hp_batch_norm_grad_s(half *x, half *dy, half *dx, long long *params, int core_mask);
@@ -61,5 +65,9 @@ void hp_batch_norm_grad_s(half *x, half *dy, half *dx, long long *params, int co
 /* private storage: one core */
 void fp_batch_norm_grad_p(float *x, float *dy, float *dx, long long *params);
 void hp_batch_norm_grad_p(half *x, half *dy, half *dx, long long *params);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* BATCHNORMGRAD_H */

@@ -32,6 +32,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(BNG_NO_FP) && defined(BNG_NO_HP)
+#error "BNG_NO_FP and BNG_NO_HP together leave nothing to call"
+#endif
+
 #ifndef BNG_CALL_FP_S
 #define BNG_CALL_FP_S(x, dy, dx, params, mask) fp_batch_norm_grad_s(x, dy, dx, params, mask)
 #endif
@@ -52,6 +56,8 @@
 #define LINE_MAX_LEN 512
 
 enum { OK = 0, BROKE = 1, UNUSABLE = 2 };
+
+static long cases_ran, cases_skipped;   /* for the summary line */
 
 struct bng_case {
     const char *dir;
@@ -368,12 +374,14 @@ static int run_case(const char *dir)
 #ifdef BNG_NO_FP
     if (!hp) {
         printf("skip   %s: this build has no fp_ functions (BNG_NO_FP)\n", dir);
+        cases_skipped++;
         return OK;
     }
 #endif
 #ifdef BNG_NO_HP
     if (hp) {
         printf("skip   %s: this build has no hp_ functions (BNG_NO_HP)\n", dir);
+        cases_skipped++;
         return OK;
     }
 #endif
@@ -382,6 +390,7 @@ static int run_case(const char *dir)
                k.param_dtype, BNG_HP_PARAM_DTYPE,
                hp && strcmp(k.param_dtype, "fp32") == 0 ? "build with -DBNG_HP_PARAMS_FLOAT"
                                                         : "build without -DBNG_HP_PARAMS_FLOAT");
+        cases_skipped++;
         return OK;
     }
     for (i = 0; i < NBUF; i++) {
@@ -439,6 +448,7 @@ static int run_case(const char *dir)
             status = BROKE;
         }
     }
+    cases_ran++;
     if (status == OK)
         printf("ran    %s: %s%s\n", dir, k.function, shared ? "" : " (private storage)");
 done:
@@ -526,5 +536,8 @@ int main(int argc, char *argv[])
                   : fail(argv[i], "case.txt", "no case.txt (a case) or index.txt (a suite)");
         status = one > status ? one : status;
     }
+    printf("%ld cases ran, %ld skipped%s\n", cases_ran, cases_skipped,
+           status == OK ? "" : status == BROKE ? "; some broke a buffer (above)"
+                                               : "; some were unusable (stderr)");
     return status;
 }
