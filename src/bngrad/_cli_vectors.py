@@ -19,12 +19,13 @@ FLAGS = {"batch": "--batch", "channel": "--channel", "dtype": "--dtype",
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", type=int, help="batch size m (rows)")
+    parser.add_argument("--batch", type=int, help="batch size m (rows); required unless --suite")
     parser.add_argument("--channel", type=int,
                         help=f"number of channels (batch*channel <= 2**26 = "
-                             f"{vectors.MAX_ELEMENTS})")
+                             f"{vectors.MAX_ELEMENTS}); required unless --suite")
     parser.add_argument("--dtype", choices=tuple(vectors.DTYPES),
-                        help="x, dy, dx: fp32 (fp_batch_norm_grad) or fp16 (hp_batch_norm_grad)")
+                        help="x, dy, dx: fp32 (fp_batch_norm_grad) or fp16 "
+                             "(hp_batch_norm_grad); required unless --suite")
     parser.add_argument("--param-dtype", choices=tuple(vectors.DTYPES), default=None,
                         help="mean, invar, scale, dbias, dscale (default: --dtype; fp16 data "
                              "may use fp32)")
