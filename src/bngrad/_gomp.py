@@ -113,6 +113,8 @@ _reason: Optional[str] = None  # None: not looked up yet
 
 def _load() -> Optional[_Runtime]:
     global _runtime, _reason
+    if _reason is not None:  # looked up already: no lock on the launch path
+        return _runtime
     with _lock:
         if _reason is None:
             try:
@@ -232,7 +234,8 @@ class Kernel:
             import torch
             num_threads = torch.get_num_threads()
         num_threads = max(1, min(int(num_threads), n_items))
-        args = np.ascontiguousarray(args, dtype=np.int64)
+        if args.dtype != np.int64 or not args.flags.c_contiguous:
+            args = np.ascontiguousarray(args, dtype=np.int64)
         header = np.array([n_items, runtime.thread_num, runtime.num_threads, address(args),
                            args.size], dtype=np.int64)
         outlined = self._compiled()
