@@ -38,7 +38,8 @@ def _inputs(shape, dtype=torch.float64, param_dtype=None, with_weight=True, seed
     param_dtype = param_dtype or dtype
     c = shape[1]
     x = (torch.randn(shape, generator=g, dtype=torch.float64) * 1.5 + 0.3).to(dtype)
-    w = (torch.rand(c, generator=g, dtype=torch.float64) * 2 - 0.5).to(param_dtype) if with_weight else None
+    w = ((torch.rand(c, generator=g, dtype=torch.float64) * 2 - 0.5).to(param_dtype)
+         if with_weight else None)
     b = torch.randn(c, generator=g, dtype=torch.float64).to(param_dtype) if with_weight else None
     rm = (torch.randn(c, generator=g, dtype=torch.float64) * 0.3).to(param_dtype)
     rv = (torch.rand(c, generator=g, dtype=torch.float64) + 0.5).to(param_dtype)
@@ -47,7 +48,8 @@ def _inputs(shape, dtype=torch.float64, param_dtype=None, with_weight=True, seed
 
 # --- finite-difference checks, float64 -------------------------------------------------------
 
-GRAD_CASES = [(nd, layout) for nd in (2, 3, 4, 5) for layout in ("contig", "chlast") if nd > 2 or layout == "contig"]
+GRAD_CASES = [(nd, layout) for nd in (2, 3, 4, 5) for layout in ("contig", "chlast")
+              if nd > 2 or layout == "contig"]
 
 
 @pytest.fixture(params=["eager", "op"])
@@ -218,7 +220,8 @@ def test_convert_is_zero_copy_and_keeps_strides(dtype):
 
 
 def test_convert_rejects_unsupported_tensors():
-    with pytest.raises(TypeError, match="input must be float64, float32, float16 or bfloat16, got torch.int32"):
+    with pytest.raises(TypeError, match="input must be float64, float32, float16 or "
+                                        "bfloat16, got torch.int32"):
         _convert.to_numpy(torch.zeros(2, 3, dtype=torch.int32), "input")
     with pytest.raises(ValueError, match="weight must be a CPU tensor"):
         _convert.to_numpy(torch.zeros(3, device="meta"), "weight")

@@ -166,7 +166,8 @@ def test_wrong_parameter_dtype_advises_torch_conversions():
 # --- TorchScript and tracing --------------------------------------------------------------------
 
 def _small_model(momentum=0.1):
-    return bt.convert(nn.Sequential(nn.Conv2d(3, 4, 3, bias=False), nn.BatchNorm2d(4, momentum=momentum),
+    return bt.convert(nn.Sequential(nn.Conv2d(3, 4, 3, bias=False),
+                                    nn.BatchNorm2d(4, momentum=momentum),
                                     nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 5),
                                     nn.BatchNorm1d(5, momentum=momentum)))
 
@@ -326,7 +327,8 @@ def _train(model, x, labels, steps=20, batch=16):
     return logits, list(bn_outputs)
 
 
-@pytest.mark.parametrize("bn_dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16-p32"])
+@pytest.mark.parametrize("bn_dtype", [torch.float32, torch.bfloat16],
+                         ids=["float32", "bfloat16-p32"])
 def test_cnn_training_matches_torch(bn_dtype):
     # The batch norms see bn_dtype activations with float32 parameters and statistics (for
     # bfloat16: PyTorch's mixed precision); everything else is the same float32 computation.

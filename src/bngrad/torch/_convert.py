@@ -69,7 +69,8 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
         return _NUMPY_TO_TORCH[np.dtype(dtype)]
     except KeyError:
         raise ArgumentTypeError(
-            f"expected a float64, float32, float16 or bfloat16 array, got {np.dtype(dtype)}") from None
+            "expected a float64, float32, float16 or bfloat16 array, got "
+            f"{np.dtype(dtype)}") from None
 
 
 def to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:

@@ -10,7 +10,7 @@ converted. TorchScript (``torch.jit.script``) is refused with a clear error.
 
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import TYPE_CHECKING, Dict, Type
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +44,13 @@ class _BngradModule:
             f"(torch.jit.script); use torch.compile or torch.export{revert}")
 
 
-class _BngradBatchNorm(_BngradModule):
+if TYPE_CHECKING:  # the mixin only ever sits in front of PyTorch's _BatchNorm
+    _BatchNormBase = nn.modules.batchnorm._BatchNorm
+else:
+    _BatchNormBase = object
+
+
+class _BngradBatchNorm(_BngradModule, _BatchNormBase):
     """The forward of ``torch.nn.modules.batchnorm._BatchNorm``, calling bngrad's batch_norm."""
 
     def forward(self, input: Tensor) -> Tensor:

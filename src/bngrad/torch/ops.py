@@ -125,7 +125,9 @@ def _(input, weight, bias, running_mean, running_var, training, momentum, eps):
     stat = _stat_dtype(input)
 
     def new_stat(r):
-        return torch.empty_like(r) if training and r is not None else input.new_empty((0,), dtype=stat)
+        if training and r is not None:
+            return torch.empty_like(r)
+        return input.new_empty((0,), dtype=stat)
 
     return (torch.empty_like(input), input.new_empty((n,), dtype=stat),
             input.new_empty((n,), dtype=stat), new_stat(running_mean), new_stat(running_var))
@@ -200,7 +202,8 @@ def batch_norm_backward(grad_out: Tensor, input: Tensor, weight: Optional[Tensor
         to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),
         to_numpy_optional(running_var, "running_var"), _stat_or_none(save_mean, "save_mean"),
         _stat_or_none(save_invstd, "save_invstd"), train=train, eps=eps,
-        output_mask=tuple(output_mask), num_threads=torch.get_num_threads(), out=to_numpy(grad_input) if output_mask[0] else None)
+        output_mask=tuple(output_mask), num_threads=torch.get_num_threads(),
+        out=to_numpy(grad_input) if output_mask[0] else None)
     param = _param_dtype(input, weight, (running_mean, running_var, save_mean, save_invstd))
     return (grad_input, _vector(grad_weight, param, input.device),
             _vector(grad_bias, param, input.device))

@@ -65,8 +65,8 @@ def _all_gather(buf: torch.Tensor, layer: str, group: Any, world: int) -> torch.
 
 def _check_same_channels(n_channels: int, layer: str, group: Any, world: int) -> None:
     """Raise the same clear error on every rank when ranks disagree about C."""
-    counts = _all_gather(torch.tensor([n_channels], dtype=torch.int64), layer, group, world)
-    counts = counts.view(-1).tolist()
+    gathered = _all_gather(torch.tensor([n_channels], dtype=torch.int64), layer, group, world)
+    counts = gathered.view(-1).tolist()
     if len(set(counts)) != 1:
         raise ArgumentValueError(
             f"SyncBatchNorm ({layer}): the ranks disagree about the number of channels: "
@@ -259,7 +259,7 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
         """Batch norm of ``input``, with statistics of the whole group's batch in training."""
         self._check_input_dim(input)
         factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats:
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average
                 factor = 1.0 / float(self.num_batches_tracked)
