@@ -5,9 +5,9 @@ mean) - d``; the "prange" variant runs the very same per-item body in a Numba ``
 (TBB, as bngrad selects it). Each is timed alone, alternating with ``torch.relu`` on a tensor
 of the same size (what happens between PyTorch operators in a model: the two pools compete
 for the cores), and on a tiny array (the fixed cost of a launch). ``torch.add(a, b, out=c)``,
-with the kernel's memory traffic, is the control: what alternating costs within one pool. Variants run interleaved in
-this one process on the same number of threads; every figure is a median over ``--repeat``
-rounds of ``--inner`` calls, with the quartiles.
+with the kernel's memory traffic, is the control: what alternating costs within one pool.
+Variants run interleaved in this one process on the same number of threads; every figure is a
+median over ``--repeat`` rounds of ``--inner`` calls, with the quartiles.
 
     python benchmarks/gomp_launch.py                       # (32, 64, 28, 28), torch's threads
     python benchmarks/gomp_launch.py --threads 2 --repeat 50 --shape 16 128 14 14
@@ -71,7 +71,7 @@ def _time(fns: dict, repeat: int, inner: int) -> dict:
 
 
 def _row(name, samples):
-    q1, med, q3 = statistics.quantiles(samples, n=4)
+    q1, med, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     print(f"{name:<34}{med * 1e3:>9.3f}   [{q1 * 1e3:.3f} - {q3 * 1e3:.3f}]")
 
 

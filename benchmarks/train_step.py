@@ -198,7 +198,9 @@ def _bn_share_in_step(step, variant: str, steps: int) -> float:
 
 
 def _spread(samples, scale=1e3, fmt=".2f") -> str:
-    q1, med, q3 = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    if len(samples) == 1:
+        samples = samples * 2
+    q1, med, q3 = statistics.quantiles(samples, n=4, method="inclusive")
     return f"{med * scale:{fmt}} [{q1 * scale:{fmt}}-{q3 * scale:{fmt}}]"
 
 
@@ -219,7 +221,8 @@ def run_model(name, dtype, layouts, threads, repeat, batch=None, size=None, prof
         ours = bt.convert(copy.deepcopy(model))
         x = torch.randn(batch, 3, size, size, dtype=DTYPES[dtype]).to(memory_format=memory_format)
         labels = torch.randint(0, classes, (batch,))
-        steps = {"torch": _model_step_fn(model, x, labels), "bngrad": _model_step_fn(ours, x, labels)}
+        steps = {"torch": _model_step_fn(model, x, labels),
+                 "bngrad": _model_step_fn(ours, x, labels)}
         inputs = _bn_inputs(model, x)
         alone = {"torch": _bns_alone_fn(_batch_norms(model), inputs),
                  "bngrad": _bns_alone_fn(_batch_norms(ours), inputs)}
@@ -230,15 +233,16 @@ def run_model(name, dtype, layouts, threads, repeat, batch=None, size=None, prof
         bn_ratio = [b / a for a, b in zip(t["bn", "torch"], t["bn", "bngrad"])]
         med = _medians(t)
         print(f"  {layout} ({len(inputs)} batch norms)")
-        print(f"    {'':<24}{'torch':>22}{'bngrad':>22}{'bngrad / torch':>24}")
-        print(f"    {'step':<24}{_spread(t['step', 'torch']):>22}{_spread(t['step', 'bngrad']):>22}"
-              f"{_spread(step_ratio, 1, '.3f'):>24}")
-        print(f"    {'BN fwd+bwd alone':<24}{_spread(t['bn', 'torch']):>22}"
-              f"{_spread(t['bn', 'bngrad']):>22}{_spread(bn_ratio, 1, '.3f'):>24}")
+        print(f"    {'':<26}{'torch':>26}{'bngrad':>26}{'bngrad / torch':>26}")
+        print(f"    {'step':<26}{_spread(t['step', 'torch']):>26}{_spread(t['step', 'bngrad']):>26}"
+              f"{_spread(step_ratio, 1, '.3f'):>26}")
+        print(f"    {'BN fwd+bwd alone':<26}{_spread(t['bn', 'torch']):>26}"
+              f"{_spread(t['bn', 'bngrad']):>26}{_spread(bn_ratio, 1, '.3f'):>26}")
         alone_share = {k: med["bn", k] / med["step", k] for k in steps}
-        print(f"    {'BN share: alone / step':<24}{alone_share['torch']:>22.1%}"
-              f"{alone_share['bngrad']:>22.1%}")
-        print(f"    {'BN share: in step (prof)':<24}{share['torch']:>22.1%}{share['bngrad']:>22.1%}")
+        print(f"    {'BN share: alone / step':<26}{alone_share['torch']:>26.1%}"
+              f"{alone_share['bngrad']:>26.1%}")
+        print(f"    {'BN share: in step (prof)':<26}{share['torch']:>26.1%}"
+              f"{share['bngrad']:>26.1%}")
         results[layout] = {"step_ratio": statistics.median(step_ratio),
                            "bn_ratio": statistics.median(bn_ratio), "medians": med,
                            "share_alone": alone_share, "share_profiled": share}

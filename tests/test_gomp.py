@@ -129,7 +129,7 @@ def test_python_threads_launching_at_once_match_serial():
     shapes = [((8, 16, 300), 128), ((4, 32, 256), 256), ((16, 8, 100), 100), ((2, 3, 1000), 512)]
     inputs = [_data(shape, seed=i) for i, (shape, _) in enumerate(shapes)]
     serial = []
-    for (shape, seg), (x, dy, coef) in zip(shapes, inputs):
+    for (_, seg), (x, dy, coef) in zip(shapes, inputs):
         ref = np.empty_like(x)
         _gomp.elemt_channels_first(x, dy, ref, coef, seg, num_threads=1)
         serial.append(ref)
@@ -137,7 +137,7 @@ def test_python_threads_launching_at_once_match_serial():
     start = threading.Barrier(len(shapes))
 
     def worker(i):
-        (shape, seg), (x, dy, coef) = shapes[i], inputs[i]
+        (_, seg), (x, dy, coef) = shapes[i], inputs[i]
         start.wait()
         for _ in range(20):
             out = np.full_like(x, np.nan)

@@ -58,8 +58,8 @@ from llvmlite import ir
 from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
-__all__ = ["Kernel", "address", "available", "elemt_channels_first", "kernel", "reduce_channels_first",
-           "unavailable_reason", "voidptr"]
+__all__ = ["Kernel", "address", "available", "elemt_channels_first", "kernel",
+           "reduce_channels_first", "unavailable_reason", "voidptr"]
 
 # Header slots (see module docstring).
 _N_ITEMS, _THREAD_NUM, _NUM_THREADS, _ARGS, _N_ARGS = range(5)
@@ -139,7 +139,7 @@ def unavailable_reason() -> Optional[str]:
     return None if _load() is not None else _reason
 
 
-# --- forked children run serially (see module docstring) ----------------------------------------
+# --- forked children run serially (see module docstring) -----------------------------------------
 
 _forked = False
 
@@ -152,7 +152,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# --- compiling bodies into outlined functions -----------------------------------------------------
+# --- compiling bodies into outlined functions ----------------------------------------------------
 
 @intrinsic
 def voidptr(typingctx, addr):
@@ -256,7 +256,7 @@ def kernel(body: Callable) -> Kernel:
     return Kernel(body)
 
 
-# --- real kernels ------------------------------------------------------------------------------------
+# --- real kernels --------------------------------------------------------------------------------
 #
 # Their per-item code is written here rather than taken from bngrad.kernels, which is being
 # redesigned: these bodies only have to show that a real kernel runs right and fast on the
