@@ -87,11 +87,13 @@ def test_wrong_arguments_are_refused():
         _gomp.elemt_channels_first(x, dy.astype(np.float64), x.copy(), coef, 4)
     with pytest.raises(ValueError, match="shapes differ"):
         _gomp.elemt_channels_first(x, dy[:1].copy(), x.copy(), coef, 4)
+    with pytest.raises(ValueError, match="seg must be at least 1"):
+        _gomp.elemt_channels_first(x, dy, x.copy(), coef, 0)
     with pytest.raises(ValueError, match="partial"):
         _gomp.reduce_channels_first(x, dy, np.zeros(3), 1, 4, np.zeros((2, 1, 3, 1)))
 
 
-@njit(nogil=True)
+@njit(nogil=True, error_model="numpy")
 def _count_body(item, args):
     hits = carray(_gomp.voidptr(args[0]), args[1], np.int64)
     hits[item] += 1  # each item's own slot: a second run of an item would show as 2
@@ -114,6 +116,7 @@ def test_no_items_is_a_no_op():
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
 def test_runs_on_pytorchs_team_not_a_new_pool():
+    previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         (torch.ones(1 << 20) * 2).sum()  # PyTorch's team of 2 exists from here on
@@ -121,8 +124,9 @@ def test_runs_on_pytorchs_team_not_a_new_pool():
         hits = np.zeros(64, dtype=np.int64)
         _count.launch(np.array([_gomp.address(hits), 64]), 64, 2)
         assert len(os.listdir("/proc/self/task")) == before
+        np.testing.assert_array_equal(hits, 1)
     finally:
-        torch.set_num_threads(torch.get_num_threads())
+        torch.set_num_threads(previous)
 
 
 def test_python_threads_launching_at_once_match_serial():

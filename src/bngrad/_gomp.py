@@ -192,7 +192,10 @@ class Kernel:
             if self._outlined is None:
                 body = self.body
 
-                @cfunc(types.void(types.voidptr), nopython=True, nogil=True)
+                # error_model="numpy": integer division by zero gives a value instead of
+                # raising; an exception has nowhere to go on a team thread.
+                @cfunc(types.void(types.voidptr), nopython=True, nogil=True,
+                       error_model="numpy")
                 def outlined(data):
                     header = carray(data, _HEADER, np.int64)
                     args = carray(voidptr(header[_ARGS]), header[_N_ARGS], np.int64)
@@ -251,7 +254,9 @@ def kernel(body: Callable) -> Kernel:
     ``body`` is a Numba ``njit`` function of an int64 item number and the int64 argument block
     given to :meth:`Kernel.launch`; it must write only outputs that belong to its item (the
     assignment of items to threads is contiguous and deterministic, but results must not
-    depend on it). Compiled on first launch.
+    depend on it), and must not raise (there is no Python on a team thread to receive the
+    exception: compile it with ``error_model="numpy"`` and no bounds checks). Compiled on
+    first launch.
     """
     return Kernel(body)
 
@@ -262,13 +267,13 @@ def kernel(body: Callable) -> Kernel:
 # redesigned: these bodies only have to show that a real kernel runs right and fast on the
 # team, and their arithmetic is spelled out so that NumPy can reproduce it bit for bit.
 
-@njit(nogil=True)
+@njit(nogil=True, error_model="numpy")
 def _elemt_run(xr, dr, outr, a, b, d, m):
     for i in range(outr.shape[0]):
         outr[i] = a * dr[i] - b * (xr[i] - m) - d
 
 
-@njit(nogil=True)
+@njit(nogil=True, error_model="numpy")
 def _elemt_body(item, args):
     A, C, B, seg = args[0], args[1], args[2], args[3]
     x = carray(voidptr(args[4]), (A, C, B), np.float32)
@@ -284,7 +289,7 @@ def _elemt_body(item, args):
                coef[2, c], coef[3, c])
 
 
-@njit(nogil=True)
+@njit(nogil=True, error_model="numpy")
 def _reduce_body(item, args):
     A, C, B, rows, seg = args[0], args[1], args[2], args[3], args[4]
     x = carray(voidptr(args[5]), (A, C, B), np.float32)
@@ -313,6 +318,12 @@ _elemt = kernel(_elemt_body)
 _reduce = kernel(_reduce_body)
 
 
+def _check_sizes(**sizes):
+    for name, value in sizes.items():
+        if int(value) < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
 def _check(arrays, dtypes, shape):
     for a, dtype in zip(arrays, dtypes):
         if a.dtype != dtype or not a.flags.c_contiguous:
@@ -337,6 +348,7 @@ def elemt_channels_first(x: np.ndarray, dy: np.ndarray, out: np.ndarray, coef: n
         Team size (default ``torch.get_num_threads()``).
     """
     _check((x, dy, out, coef), (np.float32,) * 4, shape=3)
+    _check_sizes(seg=seg)
     A, C, B = dy.shape
     if coef.shape != (4, C):
         raise ValueError(f"coef has shape {coef.shape}, expected {(4, C)}")
@@ -362,6 +374,7 @@ def reduce_channels_first(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, rows:
         Team size (default ``torch.get_num_threads()``).
     """
     _check((x, dy, mean, partial), (np.float32, np.float32, np.float64, np.float64), shape=2)
+    _check_sizes(rows=rows, seg=seg)
     A, C, B = x.shape
     tiles = (-(-A // rows), -(-B // seg), C, 2)
     if partial.shape != tiles or mean.shape != (C,):
