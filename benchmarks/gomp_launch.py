@@ -72,7 +72,8 @@ def _time(fns: dict, repeat: int, inner: int) -> dict:
 
 def _row(name, samples):
     q1, med, q3 = statistics.quantiles(samples, n=4, method="inclusive")
-    print(f"{name:<34}{med * 1e3:>9.3f}   [{q1 * 1e3:.3f} - {q3 * 1e3:.3f}]")
+    print(f"{name:<34}{med * 1e3:>9.3f}   [{q1 * 1e3:.3f} - {q3 * 1e3:.3f}]"
+          f"{min(samples) * 1e3:>10.3f}")
 
 
 def main(argv=None):
@@ -119,7 +120,7 @@ def main(argv=None):
           f"numba {numba.get_num_threads()}, layer {numba.threading_layer()}), "
           f"libgomp {_gomp._load().path}")
     print(f"repeat={args.repeat} x inner={args.inner}; ms per call (per pair when alternating): "
-          "median [quartiles]")
+          "median [quartiles] min (on a busy machine the minimum says more)")
     for name, samples in times.items():
         _row(name, samples)
     med = {name: statistics.median(s) for name, s in times.items()}

@@ -10,7 +10,7 @@ block, same inputs) are timed the same way, so that their share of the step is v
 on fixed labels, backward and SGD. Both memory layouts by default. Printed per layout:
 
 - the step time of each variant and the ratio bngrad / torch (medians over the rounds, with
-  quartiles; the ratio's are of the per-round ratios);
+  quartiles; the ratio's median and quartiles are those of the per-round ratios);
 - the batch norms alone: every BN layer's forward + backward on the input it sees in the
   model (captured once) and a random output gradient, summed over the layers;
 - the batch norms' share of the step: "alone" is the line above over the step, "in step" is
