@@ -27,15 +27,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-import ml_dtypes
 import numpy as np
 import pytest
 
+from bngrad import _dtypes
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
-HALF = (F16, BF16)
+F64, F32, F16, BF16 = _dtypes.NUMPY_DTYPES
+HALF = _dtypes.HALF_DTYPES
 
 
 # --------------------------------------------------------------------------- dtypes
@@ -47,16 +47,17 @@ class DtypeVariant:
     param: np.dtype     # weight, bias, running and saved statistics
 
 
+# Every registered dtype with parameters of its own dtype, and each half format also with
+# parameters in its statistics dtype (float32: PyTorch's mixed precision) as "<name>-p32".
 DTYPE_VARIANTS = [
-    DtypeVariant("float64", F64, F64),
-    DtypeVariant("float32", F32, F32),
-    DtypeVariant("float16", F16, F16),
-    DtypeVariant("float16-p32", F16, F32),
-    DtypeVariant("bfloat16", BF16, BF16),
-    DtypeVariant("bfloat16-p32", BF16, F32),
+    variant
+    for spec in _dtypes.DTYPES
+    for variant in ([DtypeVariant(spec.name, spec.numpy, spec.numpy)]
+                    + ([DtypeVariant(f"{spec.name}-p{8 * spec.stat.itemsize}", spec.numpy,
+                                     spec.stat)] if spec.is_half else []))
 ]
 DTYPE_VARIANT = {v.id: v for v in DTYPE_VARIANTS}
-DATA_DTYPES = [F64, F32, F16, BF16]
+DATA_DTYPES = list(_dtypes.NUMPY_DTYPES)
 
 
 # --------------------------------------------------------------------------- layouts

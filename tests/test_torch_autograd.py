@@ -17,7 +17,7 @@ import bngrad  # noqa: E402
 import bngrad.torch as bt  # noqa: E402
 from bngrad import reference  # noqa: E402
 from bngrad.torch import _convert, _eager, functional  # noqa: E402
-from conftest import from_torch  # noqa: E402
+from conftest import DTYPE_VARIANTS, from_torch  # noqa: E402
 from tolerances import assert_close, backward_scales  # noqa: E402
 
 SHAPES = {2: (6, 3), 3: (3, 2, 4), 4: (2, 3, 3, 2), 5: (2, 2, 2, 3, 2)}
@@ -130,14 +130,9 @@ def test_third_order_check_detects_pytorchs_error():
 
 # --- values against the float64 reference, every dtype --------------------------------------
 
-DTYPES = {
-    "float64": (torch.float64, torch.float64),
-    "float32": (torch.float32, torch.float32),
-    "float16": (torch.float16, torch.float16),
-    "bfloat16": (torch.bfloat16, torch.bfloat16),
-    "float16-p32": (torch.float16, torch.float32),
-    "bfloat16-p32": (torch.bfloat16, torch.float32),
-}
+#: dtype variant id -> (data dtype, parameter dtype), as torch dtypes
+DTYPES = {v.id: (_convert.torch_dtype(v.data), _convert.torch_dtype(v.param))
+          for v in DTYPE_VARIANTS}
 
 
 def _np64(t):

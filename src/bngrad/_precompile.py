@@ -18,7 +18,9 @@ from typing import Callable, Dict, Iterable, Optional
 
 import numpy as np
 
-DTYPES = ("float64", "float32", "float16", "bfloat16")
+from . import _dtypes
+
+DTYPES = _dtypes.NAMES
 
 # (shape, how to lay it out) covering each kernel path of bngrad.kernels: 2-D rows of lanes,
 # channels-first runs shorter than SHORT_RUN, short runs, long runs (fused where there are
@@ -46,7 +48,7 @@ def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> N
     import bngrad
 
     rng = np.random.default_rng(0)
-    param = np.dtype(np.float32) if dtype.itemsize == 2 else dtype
+    param = _dtypes.stat_dtype(dtype)
     for shape, how in _CASES:
         x, dy = _arrays(shape, how, dtype, rng)
         x.flags.writeable = dy.flags.writeable = not read_only
@@ -80,16 +82,14 @@ def precompile(dtypes: Optional[Iterable[str]] = None,
     dict
         Seconds spent per dtype (small where the cache was already warm).
     """
-    from ._validate import SUPPORTED_DTYPES
     from .errors import ArgumentValueError
 
-    by_name = {d.name: d for d in SUPPORTED_DTYPES}
     chosen = []
     for name in DTYPES if dtypes is None else dtypes:
-        if name not in by_name:
+        if name not in DTYPES:
             raise ArgumentValueError(f"dtypes: expected names among {', '.join(DTYPES)}, "
                                      f"got {name!r}")
-        chosen.append(by_name[name])
+        chosen.append(_dtypes.spec(name).numpy)
     spent = {}
     for dtype in chosen:
         t = time.perf_counter()

@@ -12,22 +12,17 @@ import math
 import numbers
 from typing import Any, Optional, Sequence
 
-import ml_dtypes
 import numpy as np
 
+from . import _dtypes
+from ._dtypes import is_half
 from .errors import ArgumentTypeError, ArgumentValueError
 
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-FLOAT16 = np.dtype(np.float16)
-FLOAT32 = np.dtype(np.float32)
-FLOAT64 = np.dtype(np.float64)
-SUPPORTED_DTYPES = (FLOAT64, FLOAT32, FLOAT16, BFLOAT16)
-HALF_DTYPES = (FLOAT16, BFLOAT16)
-_DTYPE_NAMES = "float64, float32, float16 or bfloat16"
-
-
-def is_half(dtype: np.dtype) -> bool:
-    return np.dtype(dtype) in HALF_DTYPES
+# The dtype facts live in bngrad._dtypes; these names remain for the modules that use them.
+FLOAT64, FLOAT32, FLOAT16, BFLOAT16 = _dtypes.NUMPY_DTYPES
+SUPPORTED_DTYPES = _dtypes.NUMPY_DTYPES
+HALF_DTYPES = _dtypes.HALF_DTYPES
+_DTYPE_NAMES = _dtypes.NAMES_TEXT
 
 
 def describe(value: Any) -> str:
@@ -103,7 +98,7 @@ def _param_array(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndar
         raise ArgumentValueError(
             f"{name}: expected shape ({n_channels},) (one value per channel), got shape "
             f"{array.shape}" + _channel_axis_hint(array.shape, input.shape, axis))
-    allowed = (input.dtype,) + ((FLOAT32, FLOAT64) if is_half(input.dtype) else ())
+    allowed = _dtypes.spec(input.dtype).param_dtypes
     if array.dtype not in allowed:
         raise ArgumentTypeError(
             f"{name}: expected dtype {' or '.join(str(d) for d in allowed)} for a "
@@ -198,10 +193,11 @@ def param_dtype(input_dtype: np.dtype, weight: Optional[np.ndarray],
     """
     if weight is not None:
         return weight.dtype
-    if is_half(input_dtype):
+    spec = _dtypes.spec(input_dtype)
+    if spec.is_half:
         for s in stats:
             if s is not None and not is_half(s.dtype):
-                return FLOAT32
+                return spec.stat
     return input_dtype
 
 

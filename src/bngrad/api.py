@@ -10,6 +10,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import _dtypes
 from . import _validate as check
 from . import kernels
 from ._layout import finish_output, plan
@@ -167,10 +168,10 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
             raise ArgumentValueError(f"{name}: expected a writable array (it is updated in place "
                                      "in train mode), got a read-only array")
     check.running_stats_for_eval(train, running_mean, running_var)
-    stat_dtype = check.FLOAT32 if check.is_half(input.dtype) else input.dtype
+    stat_dtype = _dtypes.stat_dtype(input.dtype)
     count = _count(input, axis)
 
-    compute = kernels.compute_dtype(input.dtype)
+    compute = _dtypes.compute_dtype(input.dtype)
     scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
     with parallel_region(threads), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
         layout = plan(input, None, axis)
@@ -293,12 +294,12 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
             sums = (np.zeros(n_channels), np.zeros(n_channels))
         elif mask[0] and train:
             sums = kernels.backward_train(layout.x, layout.grad, grad_kernel, mean, invstd, w,
-                                          count, kernels.compute_dtype(input.dtype))
+                                          count, _dtypes.compute_dtype(input.dtype))
         else:
             if mask[1] or mask[2]:
                 sums = kernels.reduce(layout.x, layout.grad, mean)
             if mask[0]:
-                coef = np.zeros((4, n_channels), dtype=kernels.compute_dtype(input.dtype))
+                coef = np.zeros((4, n_channels), dtype=_dtypes.compute_dtype(input.dtype))
                 coef[0] = invstd * w
                 kernels.elemt(layout.grad, layout.grad, grad_kernel, coef, False)
 
@@ -406,6 +407,6 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
         if input.size:
             coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
                                               f64["invstd"], _f64(weight, n_channels, 1.0),
-                                              total, kernels.compute_dtype(input.dtype))
+                                              total, _dtypes.compute_dtype(input.dtype))
             kernels.elemt(layout.x, layout.grad, grad_kernel, coef, True)
     return finish_output(grad_input, out)

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import ml_dtypes
 import numpy as np
 import torch
 
+from .. import _dtypes
 from ..errors import ArgumentTypeError, ArgumentValueError
 
 __all__ = [
@@ -32,16 +32,11 @@ __all__ = [
 ]
 
 #: torch dtype -> NumPy dtype with the same bits, for every dtype bngrad computes in.
-_TORCH_TO_NUMPY = {
-    torch.float64: np.dtype(np.float64),
-    torch.float32: np.dtype(np.float32),
-    torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
-}
+_TORCH_TO_NUMPY = {getattr(torch, s.torch_name): s.numpy for s in _dtypes.DTYPES}
 _NUMPY_TO_TORCH = {v: k for k, v in _TORCH_TO_NUMPY.items()}
 
 SUPPORTED_DTYPES = tuple(_TORCH_TO_NUMPY)
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+_BF16 = _dtypes.spec("bfloat16").numpy
 
 
 def is_supported_device(tensor: torch.Tensor) -> bool:
@@ -59,7 +54,7 @@ def numpy_dtype(dtype: torch.dtype, name: str = "tensor") -> np.dtype:
         return _TORCH_TO_NUMPY[dtype]
     except KeyError:
         raise ArgumentTypeError(
-            f"{name} must be float64, float32, float16 or bfloat16, got {dtype}; "
+            f"{name} must be {_dtypes.NAMES_TEXT}, got {dtype}; "
             "cast it with .to(torch.float32) first") from None
 
 
@@ -69,8 +64,7 @@ def torch_dtype(dtype: np.dtype) -> torch.dtype:
         return _NUMPY_TO_TORCH[np.dtype(dtype)]
     except KeyError:
         raise ArgumentTypeError(
-            "expected a float64, float32, float16 or bfloat16 array, got "
-            f"{np.dtype(dtype)}") from None
+            f"expected a {_dtypes.NAMES_TEXT} array, got {np.dtype(dtype)}") from None
 
 
 def to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
@@ -145,13 +139,27 @@ def from_numpy(array: np.ndarray) -> torch.Tensor:
 
 # --- the NumPy API's complaints, said in PyTorch's terms ----------------------------------------
 
-_HALF = (torch.float16, torch.bfloat16)
+#: The half formats (float16, bfloat16) as torch dtypes.
+HALF = tuple(_NUMPY_TO_TORCH[d] for d in _dtypes.HALF_DTYPES)
 
 
 def allowed_param_dtypes(input_dtype: torch.dtype) -> tuple[torch.dtype, ...]:
     """dtypes a per-channel tensor may have for an input of ``input_dtype`` (the core's rule:
     the input's own, or float32/float64 for float16/bfloat16 data)."""
-    return (input_dtype,) + ((torch.float32, torch.float64) if input_dtype in _HALF else ())
+    spec = _dtypes.spec(_TORCH_TO_NUMPY[input_dtype])
+    return tuple(_NUMPY_TO_TORCH[d] for d in spec.param_dtypes)
+
+
+def stat_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """dtype of save_mean / save_invstd for an input of ``input_dtype``: float32 for the half
+    formats, else the input's (an unsupported dtype's own too: the call itself refuses it)."""
+    numpy = _TORCH_TO_NUMPY.get(input_dtype)
+    return input_dtype if numpy is None else _NUMPY_TO_TORCH[_dtypes.stat_dtype(numpy)]
+
+
+def cast_method(dtype: torch.dtype) -> str:
+    """The ``nn.Module`` method converting a model to ``dtype`` ("half" for float16, ...)."""
+    return _dtypes.spec(_TORCH_TO_NUMPY[dtype]).torch_cast
 
 
 def torch_terms(exc: Exception, input: torch.Tensor,
@@ -177,7 +185,7 @@ def torch_terms(exc: Exception, input: torch.Tensor,
         for name, tensor in per_channel.items():
             if isinstance(tensor, torch.Tensor) and tensor.dtype not in allowed:
                 also = (f" (a {input.dtype} input may also have float32 or float64 {name})"
-                        if input.dtype in _HALF else "")
+                        if input.dtype in HALF else "")
                 return ArgumentTypeError(
                     f"{name} has dtype {tensor.dtype} but input has dtype {input.dtype}; "
                     f"convert one of them: {name}.to({input.dtype}) or "

@@ -16,14 +16,10 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ArgumentTypeError, ArgumentValueError
-from ._convert import allowed_param_dtypes
+from ._convert import SUPPORTED_DTYPES, allowed_param_dtypes, cast_method
 from .functional import batch_norm
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "convert", "revert"]
-
-
-_TO_METHOD = {torch.float64: "double", torch.float32: "float", torch.float16: "half",
-              torch.bfloat16: "bfloat16"}
 
 
 class _BngradModule:
@@ -85,7 +81,7 @@ class _BngradBatchNorm(_BngradModule, _BatchNormBase):
         """``exc`` (from the functional form) said in terms of this module, where it can be:
         a wrong channel count or a parameter dtype that is not the input's."""
         name = self._get_name()
-        if input.dtype not in _TO_METHOD:  # the input itself is refused: nothing to add
+        if input.dtype not in SUPPORTED_DTYPES:  # the input itself is refused: nothing to add
             return exc
         if isinstance(exc, ArgumentValueError) and input.shape[1] != self.num_features:
             return ArgumentValueError(
@@ -100,7 +96,7 @@ class _BngradBatchNorm(_BngradModule, _BatchNormBase):
                     return ArgumentTypeError(
                         f"{name}: input has dtype {input.dtype} but the module's {attr} has "
                         f"dtype {tensor.dtype}; convert the model with "
-                        f"model.{_TO_METHOD[input.dtype]}() (or .to({input.dtype})), "
+                        f"model.{cast_method(input.dtype)}() (or .to({input.dtype})), "
                         f"or the input with input.to({tensor.dtype})")
         return exc
 

@@ -37,7 +37,7 @@ from torch import Tensor
 import bngrad
 
 from ..errors import ArgumentTypeError, ArgumentValueError
-from ._convert import from_numpy, to_numpy, to_numpy_optional, torch_terms
+from ._convert import HALF, from_numpy, stat_dtype, to_numpy, to_numpy_optional, torch_terms
 
 __all__ = [
     "batch_norm_backward",
@@ -47,14 +47,12 @@ __all__ = [
     "batch_norm_moments",
 ]
 
-_HALF = (torch.float16, torch.bfloat16)
-
 
 # --- dtype and layout rules shared by the real and the fake implementations ------------------
 
 def _stat_dtype(input: Tensor) -> torch.dtype:
     """dtype of save_mean / save_invstd: float32 for half inputs, else the input's."""
-    return torch.float32 if input.dtype in _HALF else input.dtype
+    return stat_dtype(input.dtype)
 
 
 def _param_dtype(input: Tensor, weight: Optional[Tensor], stats: Sequence[Optional[Tensor]]
@@ -62,9 +60,9 @@ def _param_dtype(input: Tensor, weight: Optional[Tensor], stats: Sequence[Option
     """dtype of grad_weight / grad_bias, the rule of ``bngrad.batch_norm_backward``."""
     if weight is not None:
         return weight.dtype
-    if input.dtype in _HALF and any(s is not None and s.numel() and s.dtype not in _HALF
-                                    for s in stats):
-        return torch.float32
+    if input.dtype in HALF and any(s is not None and s.numel() and s.dtype not in HALF
+                                   for s in stats):
+        return stat_dtype(input.dtype)
     return input.dtype
 
 
@@ -276,8 +274,7 @@ def _double_backward(ctx, gg_input, gg_weight, gg_bias):
     if ctx.train:
         mean, s = save_mean, save_invstd
         if mean is None or mean.numel() == 0 or s is None or s.numel() == 0:
-            var, mean = torch.var_mean(input.to(torch.float32 if input.dtype in _HALF
-                                                else input.dtype), dims, correction=0)
+            var, mean = torch.var_mean(input.to(stat_dtype(input.dtype)), dims, correction=0)
             s = torch.rsqrt(var + ctx.eps)
     else:
         mean, s = running_mean, torch.rsqrt(running_var + ctx.eps)

@@ -30,6 +30,7 @@ from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import bngrad as _api  # the public core API
+from .. import _dtypes
 from ..errors import ArgumentValueError, BngradError
 from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
@@ -126,8 +127,12 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             raise ArgumentValueError(
                 f"SyncBatchNorm ({layer}): expected more than 1 value per channel when "
                 f"training, got 1 over all {world} ranks (input shape here {tuple(input.shape)})")
-        # The core API wants statistics in the input's dtype, or wider for half inputs.
-        stat_dtype = np.float32 if x.dtype == np.float32 else np.float64
+        # The global statistics, combined in float64, go to the core API at the widest dtype it
+        # accepts for this input's per-channel vectors: float64 for float64 and half inputs,
+        # float32 for float32. Not the forward's save_mean dtype (_dtypes.stat_dtype, float32
+        # for halves, PyTorch's): these are never returned, they only normalise here and are
+        # saved for the backward, so a half input keeps the bits float64 holds over float32.
+        stat_dtype = max(_dtypes.spec(x.dtype).param_dtypes, key=lambda d: d.itemsize)
         mean_s = gmean.astype(stat_dtype)
         invstd_s = (1.0 / np.sqrt(gvar + eps)).astype(stat_dtype)
 
