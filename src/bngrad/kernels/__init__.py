@@ -219,6 +219,8 @@ def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, shift: np.ndarray | 
 
 
 def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -> np.ndarray:
+    """Training backward coefficient rows (SCALE, PROJ, GRAD_MEAN, MEAN; see kernels.batchnorm)
+    in ``dtype``, from float64 per-channel sums and statistics."""
     coef = np.empty((4, len(mean)), dtype=dtype)
     k.train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, float(count), coef)
     return coef
@@ -233,7 +235,8 @@ def _lanes_pass(kernel, arrays, coef, *extra) -> None:
 
 
 def elemt(x: np.ndarray, dy: np.ndarray, out: np.ndarray, coef: np.ndarray, train: bool) -> None:
-    """out = a*dy - b*(x - mean) - d (train) or a*dy (eval), per channel coefficients."""
+    """out = (dy - GRAD_MEAN - (x - MEAN)*PROJ) * SCALE (train) or dy*SCALE (eval), with the
+    per-channel rows of ``coef`` (see kernels.batchnorm)."""
     if _uses_lanes(dy):
         _lanes_pass(k.elemt_channels_last, (x, dy, out), coef, train)
     else:
@@ -293,7 +296,7 @@ def backward_train(x, dy, out, mean, invstd, weight, count, dtype):
 
 
 def normalize(x: np.ndarray, out: np.ndarray, coef: np.ndarray) -> None:
-    """out = (x - mean)*a + d per channel (the forward pass)."""
+    """out = (x - MEAN)*SCALE + BIAS per channel (the forward pass; rows of ``coef``)."""
     if _uses_lanes(x):
         _lanes_pass(k.normalize_channels_last, (x, out), coef)
     else:

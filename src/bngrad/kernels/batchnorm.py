@@ -10,24 +10,49 @@ in a fixed order. The fused and the two-phase channels-first paths use the same 
 same order, so they give the same bits, whichever the planner picks.
 
 Sums are float64 for every dtype. Elementwise arithmetic runs in ``coef``'s dtype: float64 for
-float64 data, float32 otherwise. Coefficient rows: ``coef[0] = a``, ``coef[1] = b``,
-``coef[2] = d``, ``coef[3] = mean``; training ``dx = a*dy - b*(x - mean) - d``; eval ``dx = a*dy``;
-forward ``y = (x - mean)*a + d``. Keeping ``x - mean`` explicit avoids the cancellation of
-``a*dy + b*x + c`` when |mean| >> std.
+float64 data, float32 otherwise. Per-channel coefficient rows (indices named below):
+
+- training backward: ``dx = (dy - GRAD_MEAN - (x - MEAN)*PROJ) * SCALE`` with
+  ``SCALE = invstd*weight``, ``GRAD_MEAN = sum_dy/count``, ``PROJ = sum_dy_xmu/count*invstd**2``;
+- eval backward: ``dx = dy*SCALE``;
+- forward: ``y = (x - MEAN)*SCALE + BIAS``.
+
+The backward subtracts the mean gradient from dy before scaling, as PyTorch's CPU kernel does:
+where grad_input cancels (a channel of one or two elements) it then cancels exactly instead of
+leaving the rounding errors of separately scaled terms (one element: exactly 0). Keeping
+``x - mean`` explicit avoids the cancellation of ``a*dy + b*x + c`` when |mean| >> std.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import intrinsic
 
 from ._elements import from_float, to_float
 
 _JIT = dict(cache=True, nogil=True)
 
+# Rows of ``coef`` (see the module docstring). GRAD_MEAN and BIAS share a row: the backward
+# uses one, the forward the other.
+SCALE, PROJ, GRAD_MEAN, MEAN = 0, 1, 2, 3
+BIAS = 2
+
 
 # ---------------------------------------------------------------------------------------------
 # scalar helpers
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a*b + c rounded once (llvm.fma: one instruction on CPUs with FMA, exact everywhere)."""
+    if not (isinstance(a, types.Float) and a == b == c):
+        return None
+
+    def codegen(context, builder, signature, args):
+        fma = builder.module.declare_intrinsic("llvm.fma", [args[0].type] * 3)
+        return builder.call(fma, args)
+    return a(a, b, c), codegen
+
 
 # Reassociation lets LLVM vectorise this reduction (4x faster than a fixed-lane scalar loop).
 # The vector order is fixed in the compiled code and the runs are fixed by the data, so the
@@ -58,19 +83,28 @@ def _tile_sums(x, dy, m, shift, c, a0, a1, b0, b1):
 
 
 @njit(**_JIT)
-def _train_coefficients(sum_dy, sum_dy_xmu, invstd, weight, count):
-    """(a, b, d) of dx = a*dy - b*(x - mean) - d, in float64."""
-    a = invstd * weight
-    b = sum_dy_xmu / count * invstd * invstd * a
-    d = sum_dy / count * a
-    return a, b, d
+def _train_coefficients(sum_dy, sum_dy_xmu, invstd, weight, count, mean, coef, c):
+    """coef[:, c] for dx = (dy - GRAD_MEAN - (x - MEAN)*PROJ) * SCALE, from float64."""
+    coef[SCALE, c] = invstd * weight
+    coef[PROJ, c] = sum_dy_xmu / count * invstd * invstd
+    coef[GRAD_MEAN, c] = sum_dy / count
+    coef[MEAN, c] = mean
 
 
 @njit(**_JIT)
-def _apply_run(xr, dr, outr, a, b, d, m, b0, b1):
+def _train_dx(x, dy, scale, proj, grad_mean, m):
+    """(dy - grad_mean - (x - m)*proj) * scale, the product subtracted without rounding it
+    first (as PyTorch's CPU build does, where its compiler contracts it into an FMA): where
+    the two terms cancel, the product's rounding error would be all that is left."""
+    return _fma(m - x, proj, dy - grad_mean) * scale
+
+
+@njit(**_JIT)
+def _apply_run(xr, dr, outr, scale, proj, grad_mean, m, b0, b1):
     xr, dr, outr = xr[b0:b1], dr[b0:b1], outr[b0:b1]
     for i in range(outr.shape[0]):
-        outr[i] = from_float(a * to_float(dr[i]) - b * (to_float(xr[i]) - m) - d, outr)
+        outr[i] = from_float(_train_dx(to_float(xr[i]), to_float(dr[i]), scale, proj, grad_mean,
+                                       m), outr)
 
 
 @njit(**_JIT)
@@ -101,11 +135,8 @@ def add_lanes(total, per_lane):
 @njit(**_JIT)
 def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef):
     for c in range(coef.shape[1]):
-        a, b, d = _train_coefficients(sum_dy[c], sum_dy_xmu[c], invstd[c], weight[c], count)
-        coef[0, c] = a
-        coef[1, c] = b
-        coef[2, c] = d
-        coef[3, c] = mean[c]
+        _train_coefficients(sum_dy[c], sum_dy_xmu[c], invstd[c], weight[c], count, mean[c],
+                            coef, c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,14 +194,10 @@ def backward_channels_first_fused(x, dy, out, mean, invstd, weight, count, rows,
                 sx += q
         sum_dy[c] = sd
         sum_dy_xmu[c] = sx
-        a, b, d = _train_coefficients(sd, sx, invstd[c], weight[c], count)
-        coef[0, c] = a
-        coef[1, c] = b
-        coef[2, c] = d
-        coef[3, c] = m
+        _train_coefficients(sd, sx, invstd[c], weight[c], count, m, coef, c)
         for r in range(A):
-            _apply_run(x[r, c], dy[r, c], out[r, c], coef[0, c], coef[1, c], coef[2, c],
-                       coef[3, c], 0, B)
+            _apply_run(x[r, c], dy[r, c], out[r, c], coef[SCALE, c], coef[PROJ, c],
+                       coef[GRAD_MEAN, c], coef[MEAN, c], 0, B)
 
 
 @njit(parallel=True, **_JIT)
@@ -207,12 +234,12 @@ def forward_channels_first_fused(x, out, weight, bias, eps, count, rows, seg, me
         mean[c] = m
         var[c] = v
         scale = 1.0 / np.sqrt(v + eps) * weight[c]
-        coef[0, c] = scale
-        coef[1, c] = scale
-        coef[2, c] = bias[c]
-        coef[3, c] = m
+        coef[SCALE, c] = scale
+        coef[PROJ, c] = scale
+        coef[BIAS, c] = bias[c]
+        coef[MEAN, c] = m
         for r in range(A):
-            _normalize_run(x[r, c], out[r, c], coef[0, c], coef[2, c], coef[3, c], 0, B)
+            _normalize_run(x[r, c], out[r, c], coef[SCALE, c], coef[BIAS, c], coef[MEAN, c], 0, B)
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 or 14x14 maps; see FUSED_MIN_RUN): one run at a time
@@ -278,10 +305,10 @@ def elemt_channels_first_short(x, dy, out, coef, group, train):
         a = item // n_groups
         for c in range(g * group, min(C, g * group + group)):
             if train:
-                _apply_run(x[a, c], dy[a, c], out[a, c], coef[0, c], coef[1, c], coef[2, c],
-                           coef[3, c], 0, B)
+                _apply_run(x[a, c], dy[a, c], out[a, c], coef[SCALE, c], coef[PROJ, c],
+                           coef[GRAD_MEAN, c], coef[MEAN, c], 0, B)
             else:
-                _scale_run(dy[a, c], out[a, c], coef[0, c], 0, B)
+                _scale_run(dy[a, c], out[a, c], coef[SCALE, c], 0, B)
 
 
 @njit(parallel=True, **_JIT)
@@ -292,7 +319,7 @@ def normalize_channels_first_short(x, out, coef, group):
         g = item % n_groups
         a = item // n_groups
         for c in range(g * group, min(C, g * group + group)):
-            _normalize_run(x[a, c], out[a, c], coef[0, c], coef[2, c], coef[3, c], 0, B)
+            _normalize_run(x[a, c], out[a, c], coef[SCALE, c], coef[BIAS, c], coef[MEAN, c], 0, B)
 
 
 @njit(**_JIT)
@@ -311,10 +338,10 @@ def elemt_channels_first(x, dy, out, coef, seg, train):
     for item in prange(A * C * ((B + seg - 1) // seg)):
         a, c, b0, b1 = _run_of(item, C, B, seg)
         if train:
-            _apply_run(x[a, c], dy[a, c], out[a, c], coef[0, c], coef[1, c], coef[2, c],
-                       coef[3, c], b0, b1)
+            _apply_run(x[a, c], dy[a, c], out[a, c], coef[SCALE, c], coef[PROJ, c],
+                       coef[GRAD_MEAN, c], coef[MEAN, c], b0, b1)
         else:
-            _scale_run(dy[a, c], out[a, c], coef[0, c], b0, b1)
+            _scale_run(dy[a, c], out[a, c], coef[SCALE, c], b0, b1)
 
 
 @njit(parallel=True, **_JIT)
@@ -322,7 +349,7 @@ def normalize_channels_first(x, out, coef, seg):
     A, C, B = x.shape
     for item in prange(A * C * ((B + seg - 1) // seg)):
         a, c, b0, b1 = _run_of(item, C, B, seg)
-        _normalize_run(x[a, c], out[a, c], coef[0, c], coef[2, c], coef[3, c], b0, b1)
+        _normalize_run(x[a, c], out[a, c], coef[SCALE, c], coef[BIAS, c], coef[MEAN, c], b0, b1)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,9 +435,10 @@ def combine_channels_last(partial, sum_dy, sum_dy_xmu):
 
 
 @njit(**_JIT)
-def _apply_row(xr, dr, outr, a, b, d, m):
+def _apply_row(xr, dr, outr, scale, proj, grad_mean, m):
     for c in range(outr.shape[0]):
-        outr[c] = from_float(a[c] * to_float(dr[c]) - b[c] * (to_float(xr[c]) - m[c]) - d[c], outr)
+        outr[c] = from_float(_train_dx(to_float(xr[c]), to_float(dr[c]), scale[c], proj[c],
+                                       grad_mean[c], m[c]), outr)
 
 
 @njit(**_JIT)
@@ -431,12 +459,13 @@ def elemt_channels_last(x, dy, out, coef, rows, cols, train):
     M, C = dy.shape
     for item in prange(_tiles(M, C, rows, cols)):
         _, r0, r1, c0, c1 = _tile_of(item, M, C, rows, cols)
-        a, b, d, m = coef[0, c0:c1], coef[1, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
+        scale, proj = coef[SCALE, c0:c1], coef[PROJ, c0:c1]
+        grad_mean, m = coef[GRAD_MEAN, c0:c1], coef[MEAN, c0:c1]
         for r in range(r0, r1):
             if train:
-                _apply_row(x[r, c0:c1], dy[r, c0:c1], out[r, c0:c1], a, b, d, m)
+                _apply_row(x[r, c0:c1], dy[r, c0:c1], out[r, c0:c1], scale, proj, grad_mean, m)
             else:
-                _scale_row(dy[r, c0:c1], out[r, c0:c1], a)
+                _scale_row(dy[r, c0:c1], out[r, c0:c1], scale)
 
 
 @njit(parallel=True, **_JIT)
@@ -444,9 +473,9 @@ def normalize_channels_last(x, out, coef, rows, cols):
     M, C = x.shape
     for item in prange(_tiles(M, C, rows, cols)):
         _, r0, r1, c0, c1 = _tile_of(item, M, C, rows, cols)
-        a, d, m = coef[0, c0:c1], coef[2, c0:c1], coef[3, c0:c1]
+        scale, bias, m = coef[SCALE, c0:c1], coef[BIAS, c0:c1], coef[MEAN, c0:c1]
         for r in range(r0, r1):
-            _normalize_row(x[r, c0:c1], out[r, c0:c1], a, d, m)
+            _normalize_row(x[r, c0:c1], out[r, c0:c1], scale, bias, m)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,158 @@
+"""Accuracy where grad_input cancels: channels of one, two or three elements in training mode.
+
+With count elements per channel, grad_input = (dy - mean(dy) - (x - mean)*k) * invstd * weight
+is a difference of terms that nearly cancel (exactly, for one element). The error then depends
+on how the terms are combined, not only on the precision they are combined in. bngrad is held
+to the float64 reference (``bngrad.reference``) and to PyTorch's CPU kernel
+(``torch.ops.aten.native_batch_norm_backward``) on the same inputs: it must be exactly 0 where
+the exact result is, and on average at least as accurate as PyTorch.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+
+import bngrad
+from bngrad import reference
+from conftest import DTYPE_VARIANTS, BF16, Case, quantize, torch_backward
+from tolerances import assert_close, max_error
+
+torch = pytest.importorskip("torch")
+
+VARIANTS = [pytest.param(v, id=v.id) for v in DTYPE_VARIANTS]
+# Unit roundoff of grad_input's dtype.
+UNIT = {np.dtype(np.float64): 2.0**-53, np.dtype(np.float32): 2.0**-24,
+        np.dtype(np.float16): 2.0**-11, BF16: 2.0**-8}
+
+
+def _degenerate_case(rng, shape, channel_axis, variant, with_weight=True) -> Case:
+    """Train-mode case with the saved statistics of its data. Per-channel spreads from 1e-3
+    (eps dominates the variance) to 10 (grad_input of a channel of two elements then cancels
+    to ~1e-6 of its terms); few channels, so that the largest |grad_input|, which normalizes
+    the error, often comes from a channel that cancels."""
+    ax = channel_axis % len(shape)
+    n_channels = shape[ax]
+    bshape = [1] * len(shape)
+    bshape[ax] = n_channels
+    spread = (10.0 ** rng.uniform(-3, 1, n_channels)).reshape(bshape)
+    shift = rng.uniform(-3, 3, n_channels).reshape(bshape)
+    x = quantize(rng.standard_normal(shape) * spread + shift, variant.data)
+    dy = quantize(rng.standard_normal(shape), variant.data)
+    weight = quantize(rng.uniform(0.5, 2.0, n_channels), variant.param) if with_weight else None
+    eps = 1e-5
+    mean, var = reference.batch_norm_moments(x, channel_axis=channel_axis)
+    return Case(grad_out=dy, input=x, weight=weight, running_mean=None, running_var=None,
+                save_mean=quantize(mean, variant.param),
+                save_invstd=quantize(1.0 / np.sqrt(var + eps), variant.param),
+                train=True, eps=eps, channel_axis=channel_axis)
+
+
+def _grad_input(case: Case) -> np.ndarray:
+    return bngrad.batch_norm_backward(*case.args(), **case.kwargs())[0]
+
+
+def _reference_grad_input(case: Case) -> np.ndarray:
+    return reference.batch_norm_backward(*case.args(), **case.kwargs())[0]
+
+
+def _exact_grad_input(case: Case) -> np.ndarray:
+    """grad_input from the same inputs in exact rational arithmetic, rounded to float64 once.
+
+    The float64 reference rounds at every step as a float64 result does, so it cannot tell
+    which of two float64 results is more accurate where they cancel; this can.
+    """
+    ax = case.channel_axis % case.input.ndim
+    x = np.moveaxis(case.input.astype(np.float64), ax, -1)
+    dy = np.moveaxis(case.grad_out.astype(np.float64), ax, -1)
+    n_channels = x.shape[-1]
+    weight = np.ones(n_channels) if case.weight is None else case.weight.astype(np.float64)
+    mean, invstd = case.save_mean.astype(np.float64), case.save_invstd.astype(np.float64)
+    rows_x, rows_dy = x.reshape(-1, n_channels), dy.reshape(-1, n_channels)
+    out = np.empty_like(rows_x)
+    count = rows_x.shape[0]
+    for c in range(n_channels):
+        xs = [Fraction(v) for v in rows_x[:, c]]
+        ds = [Fraction(v) for v in rows_dy[:, c]]
+        m, s, w = Fraction(mean[c]), Fraction(invstd[c]), Fraction(weight[c])
+        grad_mean = sum(ds) / count
+        proj = sum(d * (v - m) for v, d in zip(xs, ds)) / count * s * s
+        for i in range(count):
+            out[i, c] = float((ds[i] - grad_mean - (xs[i] - m) * proj) * s * w)
+    return np.moveaxis(out.reshape(x.shape), -1, ax)
+
+
+# --------------------------------------------------------------------------- one element
+
+ONE_ELEMENT = [((1, 4096), 1), ((1, 300, 1, 1), 1), ((1, 1, 1, 257), -1), ((1, 70, 1), 1)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("shape, channel_axis", ONE_ELEMENT)
+def test_one_element_per_channel_gives_exactly_zero(variant, shape, channel_axis):
+    """x == mean and dy == mean(dy) in every channel, so grad_input is exactly 0 (as in the
+    reference and PyTorch), never rounding noise."""
+    rng = np.random.default_rng(sum(shape) + len(variant.id))
+    case = _degenerate_case(rng, shape, channel_axis, variant)
+    ref = _reference_grad_input(case)
+    assert not np.any(ref), "premise: the exact gradient is 0"
+    assert not np.any(torch_backward(case)[0].astype(np.float64)), "premise: PyTorch gives 0"
+    got = _grad_input(case)
+    assert not np.any(got.astype(np.float64)), (
+        f"{np.count_nonzero(got.astype(np.float64))} of {got.size} elements nonzero, "
+        f"largest {np.abs(got.astype(np.float64)).max():.3g}")
+    # statistics computed here (none given), and the split reduce + elemt of synchronized BN
+    nostats = bngrad.batch_norm_backward(case.grad_out, case.input, case.weight,
+                                         channel_axis=channel_axis)[0]
+    assert not np.any(nostats.astype(np.float64))
+    sums = bngrad.batch_norm_backward_reduce(case.grad_out, case.input, case.save_mean,
+                                             case.save_invstd, case.weight,
+                                             channel_axis=channel_axis)
+    elemt = bngrad.batch_norm_backward_elemt(case.grad_out, case.input, case.save_mean,
+                                             case.save_invstd, case.weight, sums[0], sums[1], 1,
+                                             channel_axis=channel_axis)
+    assert not np.any(elemt.astype(np.float64))
+
+
+# --------------------------------------------------------------------------- 2 or 3 elements
+
+def _shapes(count: int, n_channels: int) -> list[tuple[tuple[int, ...], int]]:
+    """Shapes with ``count`` elements per channel, over bngrad's channels-last ((M, C) rows),
+    folded-lanes and short channels-first layouts."""
+    c = n_channels
+    return [((count, c), 1), ((count, c, 1, 1, 1), 1), ((1, c, count), 1),
+            ((1, c, 1, count), 1), ((count, 1, c), -1)]
+
+
+# Cases per (variant, count). Rounding errors are random, and either result can be the luckier
+# one in a single case, so the comparison is of the mean error over many cases.
+N_CASES = 100
+
+
+@pytest.mark.parametrize("count", [2, 3])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_degenerate_channels_at_least_as_accurate_as_pytorch(variant, count):
+    """Over many random shapes with 2 or 3 elements per channel: every result within the
+    tolerance table of the reference, and the mean normalized error (max |error| / max |exact|
+    per case) at most PyTorch's, with a 10% slack for noise plus a quarter unit roundoff of the
+    output for dtypes where both are at rounding level."""
+    rng = np.random.default_rng(1000 * count + DTYPE_VARIANTS.index(variant))
+    ours, theirs = [], []
+    for i in range(N_CASES):
+        shapes = _shapes(count, int(rng.integers(1, 9)))
+        shape, channel_axis = shapes[i % len(shapes)]
+        case = _degenerate_case(rng, shape, channel_axis, variant, with_weight=i % 3 > 0)
+        got = _grad_input(case)
+        assert_close(got, _reference_grad_input(case), what=f"grad_input {shape}",
+                     scale=case.scales()["grad_input"])
+        exact = _exact_grad_input(case)
+        theirs.append(max_error(torch_backward(case)[0], exact))
+        ours.append(max_error(got, exact))
+    ours, theirs = np.array(ours), np.array(theirs)
+    slack = 0.25 * UNIT[variant.data]
+    assert ours.mean() <= 1.1 * theirs.mean() + slack, (
+        f"mean normalized error {ours.mean():.3g} vs PyTorch's {theirs.mean():.3g}; "
+        f"worse in {np.count_nonzero(ours > theirs)} of {N_CASES} cases, "
+        f"worst {ours.max():.3g} vs {theirs.max():.3g}")
