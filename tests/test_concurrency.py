@@ -10,6 +10,8 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -184,9 +186,6 @@ print("layer", _threads.threading_layer())
 
 def test_workqueue_fallback_is_serialised_and_correct():
     """Without TBB (here: the user forces workqueue), concurrent calls take turns, correctly."""
-    import subprocess
-    import sys
-
     env = dict(os.environ, NUMBA_THREADING_LAYER="workqueue")
     result = subprocess.run([sys.executable, "-c", _WORKQUEUE_SCRIPT], env=env,
                             capture_output=True, text=True, timeout=TIMEOUT)
@@ -241,3 +240,149 @@ def test_call_nested_in_a_signal_handler_leaves_the_outer_call_intact(
     fired, wrong = _nested_in_signal_handler(outer_shape, inner_shape, np.float32, channel_axis)
     assert fired > 0, "the signal handler never ran: the test proves nothing"
     assert not wrong, f"{len(wrong)} results changed by nested calls: {wrong[:5]}"
+
+
+# A thread keeps making small calls (many kernel launches, so TBB's workers keep waking and
+# going to sleep) while the main thread forks; every child makes a call and exits. Before
+# bngrad closed a gate around fork(), children hung in a few percent of forks (more with more
+# worker threads: NUMBA_NUM_THREADS=8 below) and now and then the parent did too.
+_FORK_RACE_SCRIPT = """
+import os, signal, sys, threading, time
+import numpy as np
+import bngrad
+
+MIN_FORKS, SECONDS, CHILD_TIMEOUT = {min_forks}, {seconds}, {child_timeout}
+rng = np.random.default_rng(0)
+busy_x = rng.standard_normal((8, 16, 50)).astype(np.float32)
+small = rng.standard_normal((4, 8, 50)).astype(np.float32)
+expected = bngrad.batch_norm_backward(small, small)
+stop = threading.Event()
+calls = [0]
+
+def busy():
+    while not stop.is_set():
+        bngrad.batch_norm_backward(busy_x, busy_x)
+        calls[0] += 1
+
+def child():
+    try:
+        got = bngrad.batch_norm_backward(small, small)
+        os._exit(0 if all(np.array_equal(g, e) for g, e in zip(got, expected)) else 1)
+    finally:
+        os._exit(2)
+
+def wait(pid, what):
+    deadline = time.monotonic() + CHILD_TIMEOUT
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            code = os.waitstatus_to_exitcode(status)
+            if code:
+                sys.exit(f"{{what}}: child exited with {{code}}")
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            sys.exit(f"{{what}}: child hung")
+        time.sleep(0.002)
+
+thread = threading.Thread(target=busy, daemon=True)
+thread.start()
+while not calls[0]:
+    time.sleep(0.001)
+forks, end = 0, time.monotonic() + SECONDS
+while forks < MIN_FORKS or time.monotonic() < end:
+    time.sleep(0.001 * (forks % 5))  # at different points of the busy thread's calls
+    pid = os.fork()
+    if pid == 0:
+        child()
+    forks += 1
+    wait(pid, f"fork {{forks}}")
+stop.set()
+thread.join(CHILD_TIMEOUT)
+assert not thread.is_alive(), "the busy thread is stuck"
+print("ok:", forks, "forks,", calls[0], "calls in the busy thread")
+"""
+
+
+def _run_script(script: str, env_extra: dict) -> tuple[int, str]:
+    """(exit status, output) of ``script`` in a new Python process; a hang fails the test,
+    after killing the process and any children it forked (its own process group)."""
+    proc = subprocess.Popen([sys.executable, "-W", "ignore::DeprecationWarning", "-c", script],
+                            env=dict(os.environ, **env_extra), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        pytest.fail(f"the parent process hung (no result in {TIMEOUT} s)")
+    return proc.returncode, output
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+@pytest.mark.parametrize("layer, seconds", [("tbb", 6), ("workqueue", 2)])
+def test_fork_while_another_thread_is_calling(layer, seconds):
+    # TBB: forks for 6 s (at least 30), as a few percent of them hung before: all but
+    # certainly one. The workqueue fallback hung at once (the child inherited the launch lock
+    # held by the busy thread).
+    env = {"NUMBA_NUM_THREADS": "8"}
+    if layer == "workqueue":
+        env["NUMBA_THREADING_LAYER"] = "workqueue"
+    code, output = _run_script(_FORK_RACE_SCRIPT.format(min_forks=30, seconds=seconds,
+                                                        child_timeout=10), env)
+    assert code == 0 and "ok:" in output, output[-2000:]
+
+
+# The main thread is inside a large call when SIGALRM's handler forks: the fork comes from a
+# thread whose own parallel region is open, and must not wait for it (it would wait forever).
+# The timer is one-shot, re-armed per call, so that the handler never runs nested.
+_FORK_IN_REGION_SCRIPT = """
+import os, signal, sys, time
+import numpy as np
+import bngrad
+
+rng = np.random.default_rng(0)
+x = rng.standard_normal((4096, 256)).astype(np.float32)
+small = rng.standard_normal((4, 8, 50)).astype(np.float32)
+expected = bngrad.batch_norm_backward(small, small)
+outer = bngrad.batch_norm_backward(x, x)
+forks = []
+
+def handler(signum, frame):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            got = bngrad.batch_norm_backward(small, small)
+            os._exit(0 if all(np.array_equal(g, e) for g, e in zip(got, expected)) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 10
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            forks.append(os.waitstatus_to_exitcode(status))
+            return
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            sys.exit("child hung")
+        time.sleep(0.002)
+
+signal.signal(signal.SIGALRM, handler)
+deadline = time.monotonic() + 20
+while len(forks) < 10 and time.monotonic() < deadline:
+    signal.setitimer(signal.ITIMER_REAL, 0.001)
+    got = bngrad.batch_norm_backward(x, x)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    assert all(np.array_equal(g, e) for g, e in zip(got, outer)), "outer call changed"
+assert len(forks) >= 10 and not any(forks), f"child exit codes {forks}"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
+                    reason="needs os.fork and signal.setitimer")
+def test_fork_from_a_signal_handler_during_a_call():
+    code, output = _run_script(_FORK_IN_REGION_SCRIPT, {})
+    assert code == 0 and "ok" in output, output[-2000:]
