@@ -1,4 +1,4 @@
-"""`bngrad bench` and its library (bngrad.bench): the instrument, on tiny cases.
+"""`bngrad bench` and its library (bngrad._bench): the instrument, on tiny cases.
 
 Speed itself is not tested here (that is what the benchmark reports); these tests check that
 the instrument measures what it says: the floor kernel computes a*dy + b*x, the memory probe
@@ -14,7 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from bngrad import bench, cli
+from bngrad import _bench as bench
+from bngrad import _dtypes, cli
+from bngrad._bench import machine, measure
 from bngrad.errors import ArgumentValueError
 from tolerances import assert_close
 
@@ -46,7 +48,7 @@ def test_floor_computes_a_dy_plus_b_x(shape, layout, dtype):
     a, b = rng.uniform(-2, 2, C), rng.uniform(-2, 2, C)
     for threads in (1, 2):
         got = bench.floor_pass(data.floor_dy, data.floor_x, a, b, num_threads=threads)
-        assert got.dtype == bench.DTYPES[dtype] and got.shape == shape
+        assert got.dtype == _dtypes.spec(dtype).numpy and got.shape == shape
         assert got.strides == data.floor_x.strides, "floor output must keep the input's layout"
         ct = np.float64 if dtype == "float64" else np.float32
         expected = _expected_floor(data.floor_dy, data.floor_x, a.astype(ct), b.astype(ct))
@@ -110,18 +112,27 @@ def test_select_cases_filters_and_aliases():
 
 
 @pytest.mark.parametrize("args, message", [
-    (("nope", None, None), "--suite"),
-    (("quick", ["float8"], None), "--dtype.*float8"),
-    (("quick", None, ["diagonal"]), "--layout.*diagonal"),
-    (("quick", ["float64"], None), "no case of suite 'quick'"),
+    (("nope", None, None), "^suite: unknown suite 'nope'"),
+    (("quick", ["float8"], None), "^dtypes: unknown dtype 'float8'.*bf16"),
+    (("quick", None, ["diagonal"]), "^layouts: unknown layout 'diagonal'"),
+    (("quick", ["float64"], None), "^no case of suite 'quick'"),
 ])
-def test_select_cases_errors_name_the_option(args, message):
-    with pytest.raises(ArgumentValueError, match=message):
+def test_select_cases_errors_name_the_argument(args, message):
+    """Library errors name the Python argument; only the command speaks of flags."""
+    with pytest.raises(ArgumentValueError, match=message) as caught:
         bench.select_cases(*args)
+    assert "--" not in str(caught.value)
+
+
+def test_run_checks_name_the_argument():
+    with pytest.raises(ArgumentValueError, match="^threads: expected an integer from 1 to"):
+        bench.check_threads(0)
+    with pytest.raises(ArgumentValueError, match="^repeat: expected at least 1, got 0"):
+        bench.check_repeat(0)
 
 
 def test_memory_probe_sees_a_temporary():
-    if not bench._reset_peak_rss():
+    if not measure.reset_peak_rss():
         pytest.skip("peak RSS cannot be reset on this platform (Linux /proc/self/clear_refs)")
     n = 64 << 20
 
@@ -212,16 +223,23 @@ def test_cli_reference_cap_and_list(tiny_suite, tmp_path, capsys):
     assert "4x3x5x6 bfloat16 NHWC" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv", [["--threads", "0"], ["--repeat", "0"], ["--dtype", "int8"]])
-def test_cli_bad_arguments_exit_2_with_a_message(argv, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--threads", "0"], "--threads: expected an integer from 1 to"),
+    (["--repeat", "0"], "--repeat: expected at least 1, got 0"),
+    (["--dtype", "int8"], "--dtype: unknown dtype 'int8'"),
+    (["--layout", "nchw,diagonal"], "--layout: unknown layout 'diagonal'"),
+    (["--reference-cap", "-1"], "--reference-cap: expected >= 0, got -1"),
+])
+def test_cli_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
     assert cli.main(["bench", "--suite", "quick", *argv]) == 2
-    assert "bngrad bench:" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())  # rich may wrap a long line
+    assert f"bngrad bench: {message}" in out
 
 
 def test_cli_startup_times_cold_and_warm_first_calls(tiny_suite, tmp_path, monkeypatch, capsys):
     """Fresh processes with a private kernel cache: the cold one compiles, the warm one loads."""
     monkeypatch.setitem(bench.SUITES, "quick", (lambda: TINY[:1], 1, "one case"))
-    monkeypatch.setattr(bench, "STARTUP_CALLS", bench.STARTUP_CALLS[:1])
+    monkeypatch.setattr(machine, "STARTUP_CALLS", machine.STARTUP_CALLS[:1])
     result = _run_cli(tmp_path, "--startup", "--no-memory")
     assert "First call in a fresh process" in capsys.readouterr().out
     startup = result["startup"]

@@ -1,6 +1,7 @@
-"""``bngrad bench``: argument parsing, progress bar, results table and plot over bngrad.bench.
+"""``bngrad bench``: argument parsing, progress bar, results table and plot over bngrad._bench.
 
-Glue only: what is measured and how lives in :mod:`bngrad.bench`.
+Glue only: what is measured and how lives in :mod:`bngrad._bench`, whose errors name Python
+arguments; :func:`_in_flag_terms` says them in this command's flags.
 """
 
 from __future__ import annotations
@@ -13,9 +14,20 @@ from .errors import ArgumentValueError
 
 _MIB = 1 << 20
 
+#: argument of bngrad._bench (the first word of its error messages) -> this command's flag
+_FLAGS = {"suite": "--suite", "dtypes": "--dtype", "layouts": "--layout",
+          "threads": "--threads", "repeat": "--repeat"}
+
+
+def _in_flag_terms(exc: ArgumentValueError) -> str:
+    """The library's message, with the argument it names ("threads: ...") as its flag."""
+    message = str(exc)
+    argument, sep, rest = message.partition(": ")
+    return f"{_FLAGS[argument]}: {rest}" if sep and argument in _FLAGS else message
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from .bench import LAYOUTS, SUITES
+    from ._bench import LAYOUTS, SUITES
 
     suites = "; ".join(f"{name}: {desc}" for name, (_, _, desc) in SUITES.items())
     parser.add_argument("--suite", default="quick", choices=list(SUITES),
@@ -70,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     from rich.console import Console
 
-    from . import bench
+    from . import _bench as bench
 
     console = Console()
     if not console.is_terminal:  # a file or pipe: rich would wrap the table at 80 columns
@@ -82,9 +94,9 @@ def run(args: argparse.Namespace) -> int:
         repeat = bench.check_repeat(args.repeat if args.repeat is not None
                                     else bench.SUITES[args.suite][1])
         if args.reference_cap < 0:
-            raise ArgumentValueError(f"--reference-cap must be >= 0, got {args.reference_cap}")
+            raise ArgumentValueError(f"--reference-cap: expected >= 0, got {args.reference_cap}")
     except ArgumentValueError as exc:
-        console.print(f"[red]bngrad bench: {exc}[/red]")
+        console.print(f"[red]bngrad bench: {_in_flag_terms(exc)}[/red]")
         return 2
     if args.list:
         for case in cases:
@@ -155,7 +167,7 @@ def _x(value: Optional[float]) -> str:
 
 def _grid(result):
     """(title, column names, rows, geometric-mean row, row is slower than PyTorch)."""
-    from .bench import geomean
+    from ._bench import geomean
 
     cases, s = result.cases, result.summary()
     m = result.machine
@@ -260,7 +272,7 @@ def _notes(result) -> List[str]:
     if "torch" in skipped:
         notes.append(f"[yellow]PyTorch: {skipped['torch']}[/yellow]")
     if "reference" in skipped:
-        notes.append(f"NumPy: {skipped['reference']}.")
+        notes.append(f"NumPy: {skipped['reference']} (--reference-cap).")
     notes.append("floor: one fused pass dx = a*dy + b*x over the same bytes and threads, "
                  "allocating its output as bngrad does; / floor = bngrad time / floor time. "
                  "GB/s: 3 arrays' traffic / bngrad time. Medians; spreads are in --json.")

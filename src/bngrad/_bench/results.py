@@ -1,0 +1,208 @@
+"""What a run measured: per-case and per-suite results, their summary, and JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Optional
+
+import numpy as np
+
+from .. import _dtypes
+from .cases import CF_CL, Case
+from .contenders import CONTENDERS
+from .measure import Timing
+
+
+@dataclass
+class Options:
+    """How to run: thread count, repeats, caps. Defaults suit an interactive run."""
+
+    threads: int
+    repeat: int = 7
+    reference_cap: int = 1 << 22
+    reference_repeat: int = 3
+    scaling: bool = False
+    memory: bool = True
+    min_sample_s: float = 0.01
+    gap_s: float = 0.002
+    seed: int = 0
+
+
+@dataclass
+class CaseResult:
+    """Everything measured for one case; ratios are derived from the medians."""
+
+    case: Case
+    timings: Dict[str, Timing] = field(default_factory=dict)
+    skipped: Dict[str, str] = field(default_factory=dict)
+    extra_memory: Dict[str, Dict[str, Optional[int]]] = field(default_factory=dict)
+    max_rel_diff_vs_torch: Optional[float] = None
+    deterministic_across_threads: Optional[bool] = None
+    cores_busy: Optional[float] = None
+    threads: int = 1
+
+    def median(self, name: str) -> Optional[float]:
+        t = self.timings.get(name)
+        return None if t is None else t.median
+
+    def _ratio(self, num: str, den: str) -> Optional[float]:
+        a, b = self.median(num), self.median(den)
+        return None if a is None or b is None or b == 0 else a / b
+
+    @property
+    def speedup_vs_torch(self) -> Optional[float]:
+        return self._ratio("torch", "bngrad")
+
+    @property
+    def ratio_to_floor(self) -> Optional[float]:
+        return self._ratio("bngrad", "floor")
+
+    @property
+    def scaling(self) -> Optional[float]:
+        """bngrad's speedup on ``threads`` threads over one thread."""
+        return self._ratio("bngrad@1", "bngrad")
+
+    @property
+    def floor_scaling(self) -> Optional[float]:
+        return self._ratio("floor@1", "floor")
+
+    @property
+    def fresh_memory_share(self) -> Optional[float]:
+        """Share of the floor's time that fresh output memory costs: 1 - in-place / fresh."""
+        ratio = self._ratio("floor_in_place", "floor")
+        return None if not ratio else 1 - ratio
+
+    def gbps(self, name: str = "bngrad") -> Optional[float]:
+        """Traffic of three arrays (read x, dy; write dx) per second, in GB/s."""
+        t = self.median(name)
+        return None if not t else 3 * self.case.bytes_per_array / t / 1e9
+
+    def to_json(self) -> dict:
+        c = self.case
+        return {
+            "shape": list(c.shape), "dtype": c.dtype, "layout": c.layout,
+            "layout_name": c.layout_name, "bytes_per_array": c.bytes_per_array,
+            "threads": self.threads,
+            "timings": {k: v.to_json() for k, v in self.timings.items()},
+            "skipped": self.skipped,
+            "speedup_vs_torch": self.speedup_vs_torch, "ratio_to_floor": self.ratio_to_floor,
+            "gbps": self.gbps(), "floor_gbps": self.gbps("floor"),
+            "scaling_1_to_n": self.scaling, "floor_scaling_1_to_n": self.floor_scaling,
+            "cores_busy": self.cores_busy,
+            "extra_memory": self.extra_memory,
+            "max_rel_diff_vs_torch": self.max_rel_diff_vs_torch,
+            "deterministic_across_threads": self.deterministic_across_threads,
+        }
+
+
+def geomean(values: Iterable[Optional[float]]) -> Optional[float]:
+    """Geometric mean of the positive values (None and zeros left out); None when there are none."""
+    positive = [v for v in values if v is not None and v > 0]
+    return float(np.exp(np.mean(np.log(positive)))) if positive else None
+
+
+@dataclass
+class SuiteResult:
+    """A whole run: per-case results, the machine, the options, optional start-up figures."""
+
+    suite: str
+    options: Options
+    machine: dict
+    cases: List[CaseResult]
+    startup: Optional[dict] = None
+
+    def summary(self) -> dict:
+        """Geometric means and the aggregates the performance targets are stated in."""
+        cs = self.cases
+        speedups = [(c.speedup_vs_torch, c) for c in cs if c.speedup_vs_torch is not None]
+        slowest = min(speedups, key=lambda p: p[0]) if speedups else None
+        big = [c.ratio_to_floor for c in cs
+               if c.case.dtype == "float32" and c.case.layout in CF_CL
+               and c.case.bytes_per_array >= 64 << 20 and c.ratio_to_floor is not None]
+        per_byte = {}
+        for dtype in _dtypes.NAMES:
+            rates = [c.gbps() for c in cs if c.case.dtype == dtype and c.gbps()]
+            if rates:
+                per_byte[dtype] = geomean(rates)
+        rss_extras = [c.extra_memory.get("bngrad", {}).get("rss_extra") for c in cs]
+        extras = [e for e in rss_extras if e is not None]
+        diffs = [(c.max_rel_diff_vs_torch, c) for c in cs if c.max_rel_diff_vs_torch is not None]
+        largest_diff = max(diffs, key=lambda p: p[0]) if diffs else None
+        det = [c.deterministic_across_threads for c in cs
+               if c.deterministic_across_threads is not None]
+        return {
+            "geomean_speedup_vs_torch": geomean(s for s, _ in speedups),
+            "min_speedup_vs_torch": slowest[0] if slowest else None,
+            "min_speedup_case": slowest[1].case.label if slowest else None,
+            "geomean_ratio_to_floor": geomean(c.ratio_to_floor for c in cs),
+            "median_ratio_to_floor_fp32_ge_64mib": float(np.median(big)) if big else None,
+            "fp32_ge_64mib_cases": len(big),
+            "geomean_gbps_by_dtype": per_byte,
+            "geomean_scaling_1_to_n": geomean(c.scaling for c in cs),
+            "max_bngrad_extra_bytes": max(extras) if extras else None,
+            "max_rel_diff_vs_torch": largest_diff[0] if largest_diff else None,
+            "max_rel_diff_case": largest_diff[1].case.label if largest_diff else None,
+            "deterministic_across_threads": all(det) if det else None,
+        }
+
+    def median_fresh_memory_share(self) -> Optional[float]:
+        """Median of the cases' :attr:`CaseResult.fresh_memory_share` (the upper middle one of
+        an even count); None when no case has both floors."""
+        shares = sorted(c.fresh_memory_share for c in self.cases
+                        if c.fresh_memory_share is not None)
+        return shares[len(shares) // 2] if shares else None
+
+    def to_json(self) -> dict:
+        opts = self.options
+        return {
+            "suite": self.suite, "machine": self.machine,
+            "options": {"threads": opts.threads, "repeat": opts.repeat,
+                        "reference_cap": opts.reference_cap, "scaling": opts.scaling,
+                        "memory": opts.memory, "min_sample_s": opts.min_sample_s,
+                        "gap_s": opts.gap_s,
+                        "seed": opts.seed},
+            "contenders": {k: v[1] for k, v in CONTENDERS.items()},
+            "summary": self.summary(),
+            "cases": [c.to_json() for c in self.cases],
+            "startup": self.startup,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> SuiteResult:
+        """Rebuild a result from :meth:`to_json`'s output (to re-render a saved run)."""
+        o = data["options"]
+        opts = Options(threads=o["threads"], repeat=o["repeat"], reference_cap=o["reference_cap"],
+                       scaling=o["scaling"], memory=o["memory"], min_sample_s=o["min_sample_s"],
+                       gap_s=o.get("gap_s", 0.0), seed=o["seed"])
+        cases = []
+        for c in data["cases"]:
+            timings = {name: Timing([v / 1e3 for v in t["samples_ms"]], t["number"])
+                       for name, t in c["timings"].items()}
+            cases.append(CaseResult(
+                Case(tuple(c["shape"]), c["dtype"], c["layout"]), timings, dict(c["skipped"]),
+                dict(c["extra_memory"]), c["max_rel_diff_vs_torch"],
+                c["deterministic_across_threads"], c.get("cores_busy"), c["threads"]))
+        return cls(data["suite"], opts, dict(data["machine"]), cases, data.get("startup"))
+
+    @classmethod
+    def read_json(cls, path: str) -> SuiteResult:
+        with open(path) as f:
+            return cls.from_json(json.load(f))
+
+    def write_json(self, path: str) -> None:
+        """Write :meth:`to_json` as strict JSON (a NaN or infinity becomes null)."""
+        with open(path, "w") as f:
+            json.dump(_finite(self.to_json()), f, indent=1, allow_nan=False)
+            f.write("\n")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
