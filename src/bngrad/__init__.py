@@ -17,6 +17,7 @@ from .api import (
 )
 from .errors import ArgumentTypeError, ArgumentValueError, BngradError
 
+# The only place the version is written: pyproject.toml reads it (dynamic = ["version"]).
 __version__ = "0.1.0"
 
 __all__ = [
