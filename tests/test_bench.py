@@ -160,6 +160,7 @@ def _run_cli(tmp_path, *extra):
                    "--json", str(out_json), "--plot", str(out_png), *extra])
     assert rc == 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
     def strict(constant):  # NaN / Infinity are not JSON
         raise AssertionError(f"{constant} in the JSON output")
     return json.loads(out_json.read_text(), parse_constant=strict)

@@ -11,6 +11,7 @@ from .. import _dtypes
 from .cases import Case
 from .floor import dense_order
 
+
 @dataclass
 class CaseData:
     """The arrays of one case; ``floor_dy``/``floor_x`` are dense, in the input's memory order."""

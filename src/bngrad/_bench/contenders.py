@@ -85,5 +85,5 @@ CONTENDERS: Dict[str, Tuple[Callable, str]] = {
     "floor": (_floor, "fused elementwise pass dx = a*dy + b*x into a new array (memory floor)"),
     "floor_in_place": (_floor_in_place, "the same pass into one reused, paged-in array"),
 }
-# With --scaling, these run on one thread as well, under the name "<name>@1".
+# With Options.scaling, these run on one thread as well, under the name "<name>@1".
 SCALED = ("bngrad", "floor")

@@ -18,6 +18,7 @@ from .._threads import parallel_region
 from ..errors import ArgumentValueError
 from ..kernels._elements import as_kernel_array, from_float, to_float
 
+
 @njit(inline="always")
 def _axpby_run(dy, x, out, a, b, i0, i1):
     # unsigned indices: Numba then emits no negative-index wraparound, and LLVM vectorises
