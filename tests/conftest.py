@@ -34,7 +34,8 @@ from bngrad import _dtypes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-F64, F32, F16, BF16 = _dtypes.NUMPY_DTYPES
+F64, F32, F16, BF16 = (_dtypes.spec(name).numpy
+                      for name in ("float64", "float32", "float16", "bfloat16"))
 HALF = _dtypes.HALF_DTYPES
 
 

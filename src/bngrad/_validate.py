@@ -18,10 +18,11 @@ from . import _dtypes
 from ._dtypes import is_half
 from .errors import ArgumentTypeError, ArgumentValueError
 
-# The dtype facts live in bngrad._dtypes; these names remain for the modules that use them.
-FLOAT64, FLOAT32, FLOAT16, BFLOAT16 = _dtypes.NUMPY_DTYPES
+# The dtype facts live in bngrad._dtypes. These constants remain for the modules that import
+# them from here (bngrad.dsp; bngrad.kernels._elements until it reads bngrad._dtypes).
+FLOAT64, FLOAT32, FLOAT16, BFLOAT16 = (_dtypes.spec(name).numpy for name in
+                                       ("float64", "float32", "float16", "bfloat16"))
 SUPPORTED_DTYPES = _dtypes.NUMPY_DTYPES
-HALF_DTYPES = _dtypes.HALF_DTYPES
 _DTYPE_NAMES = _dtypes.NAMES_TEXT
 
 
