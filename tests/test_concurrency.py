@@ -203,13 +203,17 @@ def _nested_in_signal_handler(outer_shape, inner_shape, dtype, channel_axis):
     kw = dict(channel_axis=channel_axis)
     expected = bngrad.batch_norm_backward(dy, x, **kw)
     small_expected = bngrad.batch_norm_backward(small, small, **kw)
-    fired, wrong = [0], []
+    fired, wrong, inside = [0], [], [False]
 
     def handler(signum, frame):
+        if inside[0]:  # the timer fired again during the handler's own call: no deeper nesting
+            return
+        inside[0] = True
         fired[0] += 1
         got = bngrad.batch_norm_backward(small, small, **kw)
         if not _same(got, small_expected):
             wrong.append("nested call")
+        inside[0] = False
 
     previous = signal.signal(signal.SIGALRM, handler)
     try:
@@ -385,4 +389,27 @@ print("ok")
                     reason="needs os.fork and signal.setitimer")
 def test_fork_from_a_signal_handler_during_a_call():
     code, output = _run_script(_FORK_IN_REGION_SCRIPT, {})
+    assert code == 0 and "ok" in output, output[-2000:]
+
+
+_NESTED_WORKQUEUE_SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+import numpy as np
+from bngrad import _threads
+from test_concurrency import _nested_in_signal_handler
+
+assert not _threads._LAUNCH_IS_THREAD_SAFE, "workqueue launches must be serialised"
+fired, wrong = _nested_in_signal_handler((4096, 256), (64, 8), np.float32, 1)
+assert fired and not wrong, (fired, wrong)
+print("ok", fired)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_call_nested_in_a_signal_handler_with_the_workqueue_fallback():
+    """The workqueue fallback's launch lock is held through a call: a nested call on the same
+    thread must take it again, not wait for itself."""
+    script = _NESTED_WORKQUEUE_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
+    code, output = _run_script(script, {"NUMBA_THREADING_LAYER": "workqueue"})
     assert code == 0 and "ok" in output, output[-2000:]

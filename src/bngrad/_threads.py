@@ -99,9 +99,12 @@ def _wait_for_native_threads_to_sleep(timeout: float = 0.2) -> None:
     """Wait (at most ``timeout`` s) until every native thread sleeps in two polls in a row.
 
     After the last launch TBB's workers spin a little, then go to sleep, briefly holding an
-    internal lock on the way; a fork() at that moment copies the lock held, and the child
-    hangs at its first launch (1-2% of forks racing a busy thread with the gate alone, none
-    in 600 with this wait). A sleeping thread holds no such lock.
+    internal lock on the way (a worker preempted there holds it longer); a fork() at that
+    moment copies the lock held, and the child hangs at its first launch. Measured on a loaded
+    2-core machine: with the gate alone about 1 fork in 100 racing a busy thread hung (the
+    fork test in tests/test_concurrency.py failed 4 runs of 4), with this wait none in about
+    2,000. A sleeping thread holds no such lock. Other native threads (another library's pool)
+    are waited for too: at worst ``timeout`` per fork.
     """
     deadline = time.monotonic() + timeout
     quiet = 0

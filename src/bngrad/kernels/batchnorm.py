@@ -17,8 +17,9 @@ float64 data, float32 otherwise. Per-channel coefficient rows (indices named bel
 - eval backward: ``dx = dy*SCALE``;
 - forward: ``y = (x - MEAN)*SCALE + BIAS``.
 
-The backward subtracts the mean gradient from dy before scaling, as PyTorch's CPU kernel does:
-where grad_input cancels (a channel of one or two elements) it then cancels exactly instead of
+The backward subtracts the mean gradient from dy before scaling, and ``(x - MEAN)*PROJ`` by
+one fused multiply-add, as PyTorch's CPU kernel does (its compiler contracts it): where
+grad_input cancels (a channel of one or two elements) it then cancels exactly instead of
 leaving the rounding errors of separately scaled terms (one element: exactly 0). Keeping
 ``x - mean`` explicit avoids the cancellation of ``a*dy + b*x + c`` when |mean| >> std.
 """
