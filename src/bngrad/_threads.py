@@ -39,7 +39,7 @@ def _tbb_search_dirs() -> list[str]:
 
 def _load_tbb() -> bool:
     try:  # already loadable the ordinary way (conda, system package, LD_LIBRARY_PATH)
-        from numba.np.ufunc import tbbpool  # noqa: F401
+        from numba.np.ufunc import tbbpool  # type: ignore[attr-defined]  # noqa: F401
         return True
     except ImportError:
         pass
@@ -49,7 +49,7 @@ def _load_tbb() -> bool:
             if os.path.exists(path):
                 try:
                     ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-                    from numba.np.ufunc import tbbpool  # noqa: F401
+                    from numba.np.ufunc import tbbpool  # type: ignore[attr-defined]  # noqa: F401
                     return True
                 except (OSError, ImportError):
                     continue
@@ -79,7 +79,7 @@ def _native_thread_states() -> list[str]:
     """Scheduler states (R, S, D, ...) of this process's threads that Python did not start
     (TBB's workers among them); empty where /proc is missing."""
     python_threads = {t.native_id for t in threading.enumerate()}
-    states = []
+    states: list[str] = []
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:

@@ -33,8 +33,8 @@ from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from .batchnorm import copy_rows, transpose_last_two
 
-__all__ = ["as_kernel_array", "compute_dtype", "copy_rows", "transpose_last_two", "reduce", "backward_train",
-           "elemt", "forward_train", "normalize", "train_coefficients"]
+__all__ = ["as_kernel_array", "compute_dtype", "copy_rows", "transpose_last_two", "reduce",
+           "backward_train", "elemt", "forward_train", "normalize", "train_coefficients"]
 
 # Elements per reduction tile: big enough to amortise the per-tile work, small enough that
 # even a modest array splits into many tiles for the threads to share.
@@ -209,8 +209,8 @@ def reduce(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, shift: np.ndarray | 
     for (px, pdy), lanes in _lane_pieces((x, dy), C, FOLD_LANES):
         if px.shape[0] == 0:
             continue
-        lane_sums = _reduce_lanes(px, pdy, _spread(mean, lanes), _spread(shift, lanes))
-        for total, lane_sums in zip(sums, lane_sums):
+        piece_sums = _reduce_lanes(px, pdy, _spread(mean, lanes), _spread(shift, lanes))
+        for total, lane_sums in zip(sums, piece_sums):
             if lanes is None:
                 total += lane_sums
             else:
