@@ -332,17 +332,21 @@ def _train(model, x, labels, steps=20, batch=16):
 def test_cnn_training_matches_torch(bn_dtype):
     # The batch norms see bn_dtype activations with float32 parameters and statistics (for
     # bfloat16: PyTorch's mixed precision); everything else is the same float32 computation.
-    # After 20 steps, everything is judged at the tolerance of the dtype the batch norms
+    # After the steps, everything is judged at the tolerance of the dtype the batch norms
     # computed in (their rounding reaches every gradient and, through the updates, every
-    # parameter).
+    # parameter). bfloat16 training is chaotic at that tolerance: in PyTorch against itself,
+    # nudging one conv weight by one bfloat16 step moves gradients 9% after 5 steps and 4-29%
+    # after 10-20, so two correct batch norms that round differently cannot agree for 20
+    # steps; bfloat16 is compared after 3.
+    steps = 3 if bn_dtype == torch.bfloat16 else 20
     torch.manual_seed(0)
     reference = _cnn(bn_dtype)
     x, labels = _data()
     theirs = copy.deepcopy(reference)
     ours = bt.convert(copy.deepcopy(reference))
     assert sum(isinstance(m, bt.BatchNorm2d) for m in ours.modules()) == 2
-    logits_t, bn_t = _train(theirs, x, labels)
-    logits_o, bn_o = _train(ours, x, labels)
+    logits_t, bn_t = _train(theirs, x, labels, steps)
+    logits_o, bn_o = _train(ours, x, labels, steps)
     tol = BF16 if bn_dtype == torch.bfloat16 else np.float32
     _close(logits_o, logits_t, "logits", tol)
     for i, (a, b) in enumerate(zip(bn_o, bn_t)):
