@@ -532,3 +532,20 @@ def test_hp_float16_sums_are_rounded_once():
     dx = np.empty(batch * channel, np.float16)
     dsp.hp_batch_norm_grad_p(x, dy, dx, [one * 2, one, one, dbias, dscale, batch, channel, 1])
     assert float(dbias[0]) == 2050.0
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_every_output_is_the_float64_result_rounded_once(dtype, train):
+    """What docs/dsp.md promises: dx, dbias and dscale equal the float64 reference rounded once
+    to their buffer's dtype (the golden vectors' expected files), element for element."""
+    from bngrad import vectors
+
+    v = vectors.generate(512, 48, dtype, train=train, seed=11)
+    a = v.arrays
+    dx, dbias, dscale = (np.empty_like(a[n]) for n in ("dx", "dbias", "dscale"))
+    func = dsp.fp_batch_norm_grad_s if dtype == "fp32" else dsp.hp_batch_norm_grad_s
+    func(a["x"].ravel(), a["dy"].ravel(), dx.ravel(),
+         [a["mean"], a["invar"], a["scale"], dbias, dscale, 512, 48, int(train)], 0xFF)
+    for name, got in (("dx", dx), ("dbias", dbias), ("dscale", dscale)):
+        assert np.array_equal(got, a[name]), (name, int((got != a[name]).sum()))

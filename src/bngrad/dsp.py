@@ -262,11 +262,18 @@ def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
     dx may be x or dy itself: both paths take the sums before they write dx.
     """
     if train:
-        # Train mode is PyTorch's backward with the forward's saved statistics.
-        _, dscale, dbias = api.batch_norm_backward(
-            dy, x, weight=scale, save_mean=mean, save_invstd=invar, train=True,
-            num_threads=num_threads, out=dx)
+        # Train mode is PyTorch's backward with the forward's saved statistics, run in float64
+        # (widening is exact) so that dx, like dbias and dscale, is a float64 result rounded
+        # once into its buffer: a golden model should land on the correctly rounded value. The
+        # fast float32 arithmetic was 1 ULP or more off on 42% of float32 elements (up to
+        # thousands of ULP where dx nearly cancels); this costs two float64 copies of the data.
+        wide = {name: a.astype(np.float64) for name, a in
+                (("x", x), ("dy", dy), ("mean", mean), ("invar", invar), ("scale", scale))}
+        grad_input, dscale, dbias = api.batch_norm_backward(
+            wide["dy"], wide["x"], weight=wide["scale"], save_mean=wide["mean"],
+            save_invstd=wide["invar"], train=True, num_threads=num_threads, out=wide["dy"])
         assert dscale is not None and dbias is not None  # the default output_mask asks for both
+        np.copyto(dx, grad_input, casting="same_kind")
         return dscale, dbias
     # Eval: the core's eval mode takes running_var and derives invstd = 1/sqrt(var + eps); the
     # DSP passes invar itself, which no running_var reproduces exactly. So the sums come from
@@ -316,7 +323,7 @@ def hp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
 
     As :func:`fp_batch_norm_grad_s`, with float16 x, dy, dx; mean, invar, scale, dbias and
     dscale may each be float16 or float32, and outputs are written in their buffer's dtype.
-    Sums accumulate in float64 and are rounded once into each output buffer.
+    Every output is computed in float64 and rounded once into its buffer.
     """
     _batch_norm_grad(x, dy, dx, params, half=True, num_threads=threads_for_core_mask(core_mask))
 
