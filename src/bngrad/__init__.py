@@ -14,6 +14,7 @@ from .api import (
     batch_norm_backward_reduce,
     batch_norm_forward,
     batch_norm_moments,
+    explain,
 )
 from .errors import ArgumentTypeError, ArgumentValueError, BngradError
 
@@ -30,6 +31,7 @@ __all__ = [
     "batch_norm_forward",
     "batch_norm_moments",
     "errors",
+    "explain",
     "reference",
     "__version__",
 ]

@@ -39,7 +39,8 @@ class Plan:
     x: np.ndarray                  # (A, C, B) or (M, C), kernel element type
     dy: Optional[np.ndarray]       # same shape as x, or None
     order: tuple[int, ...]         # memory order of the logical axes used for x, dy and outputs
-    copied: tuple[str, ...]        # arguments that had to be copied (shown when debugging)
+    copied: tuple[str, ...]        # arguments that had to be copied (shown by bngrad.explain)
+    kernel: kernels.KernelPlan     # the kernel path and tiles for x (on the threads in force)
 
     @property
     def grad(self) -> np.ndarray:
@@ -147,6 +148,6 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -
             copied.append("grad_out")
             dy = _in_order(grad_out, order)
     position = order.index(channel_axis)
-    return Plan(x=_canonical(x, position),
-                dy=None if dy is None else _canonical(dy, position),
-                order=order, copied=tuple(copied))
+    canonical = _canonical(x, position)
+    return Plan(x=canonical, dy=None if dy is None else _canonical(dy, position),
+                order=order, copied=tuple(copied), kernel=kernels.plan(canonical))

@@ -13,7 +13,7 @@ import numpy as np
 from . import _dtypes
 from . import _validate as check
 from . import kernels
-from ._layout import finish_output, plan
+from ._layout import Plan, finish_output, plan
 from ._threads import parallel_region
 from .errors import ArgumentValueError
 
@@ -23,6 +23,7 @@ __all__ = [
     "batch_norm_backward_reduce",
     "batch_norm_forward",
     "batch_norm_moments",
+    "explain",
 ]
 
 Array = np.ndarray
@@ -48,8 +49,8 @@ def _first_elements(input: Array, axis: int) -> Array:
         np.float64)
 
 
-def _moments(x: Array, input: Array, axis: int, count: int) -> tuple[Array, Array]:
-    """Per-channel mean and biased variance of ``input`` (``x`` its canonical view), float64.
+def _moments(layout: Plan, input: Array, axis: int, count: int) -> tuple[Array, Array]:
+    """Per-channel mean and biased variance of ``input`` (planned by ``layout``), float64.
 
     Both ways sum d = x - s and d**2 in float64 and take var = (sum d**2 - (sum d)**2/n)/n,
     whose relative error is about 1e-16 * (1 + (s - mean)**2 / var):
@@ -59,12 +60,13 @@ def _moments(x: Array, input: Array, axis: int, count: int) -> tuple[Array, Arra
       more than sqrt(n) standard deviations from the mean, so the error stays below n*1e-16,
       far below float32's resolution, for one read of the data instead of two.
     """
+    x = layout.x
     if input.dtype == np.float64:
         zeros = np.zeros(input.shape[axis])
-        shift = kernels.reduce(x, x, zeros, zeros)[0] / count
+        shift = kernels.reduce(layout.kernel, x, x, zeros, zeros)[0] / count
     else:
         shift = _first_elements(input, axis)
-    sum_d, sum_d2 = kernels.reduce(x, x, shift, shift)
+    sum_d, sum_d2 = kernels.reduce(layout.kernel, x, x, shift, shift)
     mean = shift + sum_d / count
     return mean, np.maximum(sum_d2 - sum_d * sum_d / count, 0.0) / count
 
@@ -105,7 +107,7 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     if count == 0:
         return np.full(n_channels, np.nan), np.full(n_channels, np.nan)
     with parallel_region(threads):
-        return _moments(plan(input, None, axis).x, input, axis, count)
+        return _moments(plan(input, None, axis), input, axis, count)
 
 
 def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running_mean: Any = None,
@@ -181,9 +183,9 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
             if count == 0:
                 mean, var = np.full(n_channels, np.nan), np.full(n_channels, np.nan)
             else:
-                fused = kernels.forward_train(layout.x, out_kernel, scale_weight, shift_bias, eps,
-                                              count, compute)
-                mean, var = fused if fused is not None else _moments(layout.x, input, axis, count)
+                fused = kernels.forward_train(layout.kernel, layout.x, out_kernel, scale_weight,
+                                              shift_bias, eps, count, compute)
+                mean, var = fused if fused is not None else _moments(layout, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
             if running_mean is not None and count > 0:
                 running_mean[...] = (1 - momentum) * running_mean + momentum * mean
@@ -194,9 +196,10 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
         else:
             mean, invstd = _eval_stats(running_mean, running_var, eps)
         if fused is None and input.size:
-            scale = invstd * scale_weight
-            coef = np.stack([scale, scale, shift_bias, mean]).astype(compute)
-            kernels.normalize(layout.x, out_kernel, coef)
+            coef = np.zeros((4, n_channels), dtype=compute)
+            coef[kernels.SCALE], coef[kernels.BIAS] = invstd * scale_weight, shift_bias
+            coef[kernels.MEAN] = mean
+            kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x)
     output = finish_output(output, out)
 
     if train:
@@ -280,7 +283,7 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         elif running is not None:  # eval mode
             mean, invstd = _eval_stats(*running, eps)
         elif params["save_mean"] is None or params["save_invstd"] is None:
-            mean, var = _moments(layout.x, input, axis, count)
+            mean, var = _moments(layout, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
         else:
             mean = params["save_mean"].astype(np.float64)
@@ -293,15 +296,15 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         if count == 0:
             sums = (np.zeros(n_channels), np.zeros(n_channels))
         elif mask[0] and train:
-            sums = kernels.backward_train(layout.x, layout.grad, grad_kernel, mean, invstd, w,
-                                          count, _dtypes.compute_dtype(input.dtype))
+            sums = kernels.backward_train(layout.kernel, layout.x, layout.grad, grad_kernel, mean,
+                                          invstd, w, count, _dtypes.compute_dtype(input.dtype))
         else:
             if mask[1] or mask[2]:
-                sums = kernels.reduce(layout.x, layout.grad, mean)
+                sums = kernels.reduce(layout.kernel, layout.x, layout.grad, mean)
             if mask[0]:
                 coef = np.zeros((4, n_channels), dtype=_dtypes.compute_dtype(input.dtype))
-                coef[0] = invstd * w
-                kernels.elemt(layout.grad, layout.grad, grad_kernel, coef, False)
+                coef[kernels.SCALE] = invstd * w
+                kernels.elementwise(layout.kernel, grad_kernel, coef, dy=layout.grad)
 
     if grad_input is not None:  # mask[0]
         grad_input = finish_output(grad_input, out)
@@ -357,7 +360,8 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
             sum_dy, sum_dy_xmu = np.zeros(n_channels), np.zeros(n_channels)
         else:
             layout = plan(input, grad_out, axis)
-            sum_dy, sum_dy_xmu = kernels.reduce(layout.x, layout.grad, mean.astype(np.float64))
+            sum_dy, sum_dy_xmu = kernels.reduce(layout.kernel, layout.x, layout.grad,
+                                                mean.astype(np.float64))
     grad_weight = sum_dy_xmu * invstd.astype(np.float64)
     return (sum_dy.astype(mean.dtype) if flags[0] else None,
             sum_dy_xmu.astype(mean.dtype) if flags[0] else None,
@@ -408,5 +412,38 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
             coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
                                               f64["invstd"], _f64(weight, n_channels, 1.0),
                                               total, _dtypes.compute_dtype(input.dtype))
-            kernels.elemt(layout.x, layout.grad, grad_kernel, coef, True)
+            kernels.elementwise(layout.kernel, grad_kernel, coef, layout.x, layout.grad)
     return finish_output(grad_input, out)
+
+
+def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
+            num_threads: Optional[int] = None) -> str:
+    """How bngrad runs a call on these arrays: their canonical view, copies and kernel plan.
+
+    The same plan serves every function called with the same arrays and threads (the
+    training backward fuses on ``path='fused'``, the forward only for float64 data). Plans
+    depend on the thread count only through fusing, which gives the same bits either way.
+
+    Parameters
+    ----------
+    input : ndarray
+    grad_out : ndarray, optional
+        As passed to a backward function (its layout decides whether it is copied).
+    channel_axis, num_threads : as in :func:`batch_norm_backward`
+
+    Returns
+    -------
+    str
+        Several lines, for printing. Copies that the plan needs are made to find it out.
+    """
+    if grad_out is None:
+        input = check.data_array("input", input)
+        axis = check.channel_axis(channel_axis, input.ndim)
+    else:
+        grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
+    threads = check.num_threads(num_threads)
+    with parallel_region(threads):
+        layout = plan(input, grad_out, axis)
+    return (f"input {input.shape} {input.dtype.name}, channel axis {axis}: memory order "
+            f"{layout.order}, kernel view {layout.x.shape} {layout.x.dtype.name}, copied: "
+            f"{', '.join(layout.copied) or 'nothing'}\n{layout.kernel!r}")

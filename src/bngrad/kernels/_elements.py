@@ -20,10 +20,10 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from .._validate import BFLOAT16, FLOAT16
+from .. import _dtypes
 
-# dtype of the arrays the kernels see, per user dtype
-_KERNEL_DTYPE = {FLOAT16: np.dtype(np.int16), BFLOAT16: np.dtype(np.uint16)}
+# dtype of the arrays the kernels see, per user dtype whose bits they see as another type
+_KERNEL_DTYPE = {s.numpy: s.kernel_view for s in _dtypes.DTYPES if s.kernel_view != s.numpy}
 
 
 def as_kernel_array(array: np.ndarray) -> np.ndarray:
@@ -32,9 +32,7 @@ def as_kernel_array(array: np.ndarray) -> np.ndarray:
     return array if kernel_dtype is None else array.view(kernel_dtype)
 
 
-def compute_dtype(dtype: np.dtype) -> np.dtype:
-    """Precision of elementwise arithmetic: float64 for float64 data, float32 otherwise."""
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+compute_dtype = _dtypes.compute_dtype
 
 
 @intrinsic
@@ -92,34 +90,19 @@ def from_float(value, out):
     raise NotImplementedError
 
 
+# Selected by element type when a kernel is compiled.
 @overload(to_float, inline="always")
 def _to_float(value):
-    if value == types.float64:
-        return lambda value: value
-    if value == types.float32:
-        return lambda value: value
-    if value == types.int16:
-        return lambda value: _half_bits_to_float32(value)
-    if value == types.uint16:
-        return lambda value: _bf16_bits_to_float32(value)
-    return None
+    return {types.float64: lambda value: value,
+            types.float32: lambda value: value,
+            types.int16: lambda value: _half_bits_to_float32(value),
+            types.uint16: lambda value: _bf16_bits_to_float32(value)}.get(value)
 
 
 @overload(from_float, inline="always")
 def _from_float(value, out):
-    element = out.dtype
-    if element == types.float64:
-        def impl(value, out):
-            return np.float64(value)
-    elif element == types.float32:
-        def impl(value, out):
-            return np.float32(value)
-    elif element == types.int16:
-        def impl(value, out):
-            return _float32_to_half_bits(np.float32(value))
-    elif element == types.uint16:
-        def impl(value, out):
-            return _float32_to_bf16_bits(np.float32(value))
-    else:
-        return None
-    return impl
+    return {types.float64: lambda value, out: np.float64(value),
+            types.float32: lambda value, out: np.float32(value),
+            types.int16: lambda value, out: _float32_to_half_bits(np.float32(value)),
+            types.uint16: lambda value, out: _float32_to_bf16_bits(np.float32(value))
+            }.get(out.dtype)

@@ -1,0 +1,229 @@
+"""The kernel plan: which path and which tiles serve a canonical array, decided once per call.
+
+:func:`plan` maps a canonical kernel array's shape (channels-first ``(A, C, B)`` or
+channels-last ``(M, C)``, see bngrad._layout) and the thread count to a frozen, cached
+:class:`KernelPlan` naming the path (docs/internals.md has the map, with examples):
+
+- ``lanes``: 2-D rows, and channels-first runs shorter than ``short_run`` viewed as rows of
+  ``C*B`` lanes, each lane of one channel. Narrow channels-last rows are folded, ``k`` rows
+  into one (a view; the ``M % k`` leftover rows are a second piece), to ``fold_lanes`` lanes
+  for reductions and ``elemt_lanes`` for elementwise passes. Each lane's sums are added into
+  its channel in lane order;
+- ``short``: runs of ``short_run..fused_min_run``, a task per group of whole channels;
+- ``runs``: longer runs, a task per tile (reductions) or run segment (elementwise);
+- ``fused``: as ``runs``, but the training backward (and float64's training forward) reduces
+  each channel and writes it while it is in cache, when there are enough channels to keep
+  every thread busy (``C >= fused_channels_per_thread * threads``).
+
+``fused`` and ``runs`` use the same tiles in the same order (kernels.batchnorm's
+``_channel_sums``), so the one choice that depends on the thread count gives the same bits
+either way (tests/test_paths.py checks it). Every other choice depends on the shape only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import numpy as np
+
+from .._threads import current_num_threads
+
+PATHS = ("lanes", "short", "runs", "fused")
+
+
+@dataclass(frozen=True)
+class Config:
+    """The tuning constants. Why each has its value, and the command that re-measures it:
+    docs/internals.md, "Tuning constants"."""
+
+    tile: int = 1 << 14               # elements per reduction tile
+    column_group: int = 8192          # at most this many lanes per channels-last tile
+    max_row_blocks: int = 64          # row blocks per lane reduction: enough for 64 threads,
+    partial_bytes: int = 1 << 21      # but at most this many bytes of partial sums
+    min_block_rows: int = 32          # and at least this many rows per block
+    fold_lanes: int = 4096            # narrower channels-last rows are folded, for reductions
+    elemt_lanes: int = 256            # and for elementwise passes
+    short_run: int = 32               # shorter channels-first runs are seen as lanes
+    fused_min_run: int = 256          # shorter runs take the short kernels, never fused
+    short_group_lanes: int = 1536     # lanes per task of the short kernels
+    fused_channels_per_thread: int = 4  # fewer channels per thread leave threads idle: no fusing
+
+
+_config = Config()
+_forced: Optional[str] = None
+
+
+def config() -> Config:
+    """The tuning constants in force."""
+    return _config
+
+
+@contextlib.contextmanager
+def override(**values: int) -> Iterator[Config]:
+    """Tests: run the enclosed calls with some tuning constants changed (not thread-safe)."""
+    global _config
+    previous = _config
+    _config = dataclasses.replace(_config, **values)
+    try:
+        yield _config
+    finally:
+        _config = previous
+
+
+@contextlib.contextmanager
+def forced_path(path: str) -> Iterator[None]:
+    """Tests: make every channels-first call take ``path`` (one of PATHS; not thread-safe).
+
+    2-D (channels-last) arrays can only take ``lanes`` and raise ValueError for any other.
+    """
+    global _forced
+    if path not in PATHS:
+        raise ValueError(f"unknown kernel path {path!r}; expected one of {PATHS}")
+    previous = _forced
+    _forced = path
+    try:
+        yield
+    finally:
+        _forced = previous
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class LanePiece:
+    """Rows ``start:stop`` of a 2-D array, seen as rows of ``lanes`` lanes.
+
+    ``spread`` says how lanes map to channels: lane ``c*times + b`` ("repeat": a channel's run
+    is contiguous), lane ``i*C + c`` ("tile": ``times`` rows folded into one), or lane ==
+    channel (None). Tiles: ``rows`` per block, ``cols`` lanes per column group.
+    """
+
+    start: int
+    stop: int
+    spread: Optional[str]
+    times: int
+    lanes: int
+    rows: int
+    cols: int
+
+    def __repr__(self) -> str:
+        view = {None: "as is", "repeat": f"runs of {self.times} as lanes",
+                "tile": f"{self.times} rows folded"}[self.spread]
+        return (f"rows {self.start}:{self.stop} ({view}, {self.lanes} lanes): "
+                f"tiles of {self.rows} rows x {self.cols} lanes")
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one canonical array is processed: the path and its tiles.
+
+    Channels-first paths: reductions are cut into tiles of ``rows`` rows x ``seg`` elements
+    of one run; ``short`` tasks take ``group`` whole channels; elementwise ``runs`` tasks take
+    one ``seg`` segment. ``lanes``: ``reduce_pieces`` and ``elemt_pieces`` (folded for each
+    pass as the module docstring says).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    threads: int
+    forced: bool = False
+    rows: int = 0
+    seg: int = 0
+    group: int = 0
+    reduce_pieces: tuple[LanePiece, ...] = ()
+    elemt_pieces: tuple[LanePiece, ...] = ()
+
+    @property
+    def blocks(self) -> int:
+        """Row blocks of a channels-first reduction."""
+        return _ceil_div(self.shape[0], self.rows)
+
+    @property
+    def segments(self) -> int:
+        """Tiles along one run of a channels-first reduction (1 for ``short``)."""
+        return 1 if self.path == "short" else _ceil_div(self.shape[2], self.seg)
+
+    def __repr__(self) -> str:
+        head = (f"KernelPlan(path={self.path!r}{' (forced)' if self.forced else ''}, "
+                f"shape={self.shape}, threads={self.threads}")
+        if self.path == "lanes":
+            return "\n  ".join([head + ")", "reduce:"] + [f"  {p!r}" for p in self.reduce_pieces]
+                               + ["elementwise:"] + [f"  {p!r}" for p in self.elemt_pieces])
+        if self.path == "short":
+            return (f"{head}, {self.blocks} row blocks of {self.rows}, "
+                    f"{_ceil_div(self.shape[1], self.group)} groups of {self.group} channels)")
+        return (f"{head}, tiles of {self.rows} rows x {self.seg} elements, "
+                f"{self.blocks} x {self.segments} per channel)")
+
+
+def _reduce_tiles(cfg: Config, M: int, L: int) -> tuple[int, int]:
+    """(rows per block, lanes per group) of a lane reduction tile: at least TILE elements and
+    MIN_BLOCK_ROWS rows, at most MAX_ROW_BLOCKS blocks and PARTIAL_BYTES of partial sums."""
+    cols = min(L, cfg.column_group)
+    blocks = max(1, min(cfg.max_row_blocks, cfg.partial_bytes // (16 * max(L, 1)),
+                        M * cols // cfg.tile, M // cfg.min_block_rows))
+    return _ceil_div(M, blocks), cols
+
+
+def _elemt_tiles(cfg: Config, L: int) -> tuple[int, int]:
+    """(rows per block, lanes per group) of an elementwise lane tile."""
+    cols = min(L, cfg.column_group)
+    return max(1, cfg.tile // max(cols, 1)), cols
+
+
+def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bool
+                 ) -> tuple[LanePiece, ...]:
+    def piece(start, stop, spread, times, lanes):
+        view_rows = (stop - start) // times if spread == "tile" else stop - start
+        rows, cols = (_reduce_tiles(cfg, view_rows, lanes) if reduce
+                      else _elemt_tiles(cfg, lanes))
+        return LanePiece(start, stop, spread, times, lanes, rows, cols)
+
+    if len(shape) == 3:
+        A, C, B = shape
+        return (piece(0, A, "repeat", B, C * B),)
+    M, C = shape
+    fold = min(M, _ceil_div(min_lanes, max(C, 1)))
+    if C == 0 or fold <= 1:
+        return (piece(0, M, None, 1, C),) if M else ()
+    cut = M - M % fold
+    pieces = [piece(0, cut, "tile", fold, fold * C)]
+    if cut < M:
+        pieces.append(piece(cut, M, None, 1, C))
+    return tuple(pieces)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[str]
+          ) -> KernelPlan:
+    if len(shape) == 2 or forced == "lanes" or (forced is None and shape[2] < cfg.short_run):
+        if forced not in (None, "lanes") and len(shape) == 2:
+            raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
+        return KernelPlan("lanes", shape, threads, forced is not None,
+                          reduce_pieces=_lane_pieces(cfg, shape, cfg.fold_lanes, True),
+                          elemt_pieces=_lane_pieces(cfg, shape, cfg.elemt_lanes, False))
+    A, C, B = shape
+    if B >= cfg.tile:
+        rows, seg = 1, cfg.tile
+    else:
+        rows, seg = max(1, cfg.tile // max(B, 1)), B
+    path = forced
+    if path is None:
+        if B < cfg.fused_min_run:
+            path = "short"
+        else:
+            fuses = C >= cfg.fused_channels_per_thread * threads
+            path = "fused" if fuses else "runs"
+    return KernelPlan(path, shape, threads, forced is not None, rows=rows, seg=max(seg, 1),
+                      group=_ceil_div(cfg.short_group_lanes, max(B, 1)))
+
+
+def plan(x: np.ndarray) -> KernelPlan:
+    """The plan for canonical array ``x`` on the thread count in force."""
+    return _plan(x.shape, current_num_threads(), _config, _forced)
