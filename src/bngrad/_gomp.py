@@ -10,9 +10,10 @@ module launches a kernel on PyTorch's team instead, with nothing compiled ahead 
 - :func:`kernel` wraps the body in a Numba ``cfunc(void(voidptr))``, the "outlined function"
   of an OpenMP parallel region: it reads a small int64 header, asks the OpenMP runtime for its
   thread number and team size, and runs its contiguous share of the items;
-- :meth:`Kernel.launch` calls ``GOMP_parallel(fn, header, num_threads, 0)`` through ctypes, in
-  the ``libgomp`` that PyTorch loaded (found next to ``torch.__file__`` and opened with
-  ``RTLD_NOLOAD``, so never a second copy of the runtime).
+- :meth:`Kernel.launch` (or :func:`launch_in_numba`, from Numba code) calls
+  ``GOMP_parallel(fn, header, num_threads, 0)`` in the ``libgomp`` that PyTorch loaded (found
+  next to ``torch.__file__`` and opened with ``RTLD_NOLOAD``, so never a second copy of the
+  runtime), by its address, from compiled code: a launch costs one Numba dispatch.
 
 The cfunc reaches ``omp_get_thread_num``/``omp_get_num_threads`` through their addresses, which
 the launcher puts in the header, so the compiled code is bound to exactly the library PyTorch
@@ -38,7 +39,7 @@ PyTorch is not installed, is not built with OpenMP, or its libgomp cannot be fou
 loaded; callers then fall back to the Numba kernels.
 
 Several Python threads may launch at once: each becomes the master of its own team (libgomp
-keeps one pool per initial thread), and ctypes releases the GIL for the call.
+keeps one pool per initial thread), and the launcher releases the GIL (``nogil=True``).
 
 The real kernels here are :func:`elemt_channels_first` and :func:`reduce_channels_first`, the
 two passes of the channels-first float32 training backward, on the work items of
@@ -59,7 +60,8 @@ from numba import carray, cfunc, njit, types
 from numba.extending import intrinsic
 
 __all__ = ["Kernel", "address", "available", "elemt_channels_first", "kernel",
-           "reduce_channels_first", "unavailable_reason", "voidptr"]
+           "launch_in_numba", "reduce_channels_first", "team_size", "unavailable_reason",
+           "voidptr"]
 
 # Header slots (see module docstring).
 _N_ITEMS, _THREAD_NUM, _NUM_THREADS, _ARGS, _N_ARGS = range(5)
@@ -73,9 +75,8 @@ class _Runtime:
 
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.path = path
-        self.parallel = lib.GOMP_parallel
-        self.parallel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
-        self.parallel.restype = None
+        # Addresses only: compiled code calls them (launch_in_numba, the outlined function).
+        self.parallel = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value
         self.thread_num = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value
         self.num_threads = ctypes.cast(lib.omp_get_num_threads, ctypes.c_void_p).value
 
@@ -174,6 +175,73 @@ def _call_int_function(typingctx, addr):
     return types.int32(types.int64), codegen
 
 
+@intrinsic
+def _call_void_function(typingctx, fn, data):
+    """Call the C function ``void fn(void *data)`` at address ``fn``."""
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        fnty = ir.FunctionType(ir.VoidType(), [i8p])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
+                     [builder.inttoptr(args[1], i8p)])
+        return context.get_dummy_value()
+    return types.none(types.int64, types.int64), codegen
+
+
+@intrinsic
+def _call_gomp_parallel(typingctx, parallel, fn, data, num_threads):
+    """``GOMP_parallel(fn, data, num_threads, 0)``, the entry point at address ``parallel``."""
+    def codegen(context, builder, signature, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i8p, i32, i32])
+        builder.call(builder.inttoptr(args[0], fnty.as_pointer()),
+                     [builder.inttoptr(args[1], i8p), builder.inttoptr(args[2], i8p),
+                      builder.trunc(args[3], i32), ir.Constant(i32, 0)])
+        return context.get_dummy_value()
+    return types.none(types.int64, types.int64, types.int64, types.int64), codegen
+
+
+# Slots of Kernel.functions().
+_OUTLINED, _PARALLEL, _F_THREAD_NUM, _F_NUM_THREADS = range(4)
+
+
+@njit(nogil=True)
+def launch_in_numba(functions, args, n_items, num_threads):
+    """:meth:`Kernel.launch` from Numba code (a whole launch in one dispatch from Python:
+    measured 0.5 us on one thread, 2-3 us on a team of 2 kept warm; 10-15 us when the header
+    was built in Python and GOMP_parallel called through ctypes).
+
+    ``functions`` is :meth:`Kernel.functions`; ``num_threads`` is the team size (1: run on the
+    calling thread; pass 1 in a forked child, see :func:`team_size`).
+    """
+    if n_items <= 0:
+        return
+    header = np.empty(_HEADER, np.int64)
+    header[_N_ITEMS] = n_items
+    header[_THREAD_NUM] = functions[_F_THREAD_NUM]
+    header[_NUM_THREADS] = functions[_F_NUM_THREADS]
+    header[_ARGS] = args.ctypes.data
+    header[_N_ARGS] = args.size
+    team = min(num_threads, n_items)
+    if team <= 1:
+        _call_void_function(functions[_OUTLINED], header.ctypes.data)
+    else:
+        _call_gomp_parallel(functions[_PARALLEL], functions[_OUTLINED], header.ctypes.data, team)
+    # A use after the call: the header is not freed while the team reads it. (``args`` is
+    # the caller's, alive until this returns.)
+    header[0] = 0
+
+
+def team_size(num_threads: Optional[int]) -> int:
+    """The team size a launch gets: ``num_threads`` (default ``torch.get_num_threads()``),
+    at least 1, and 1 in a forked child (see module docstring)."""
+    if _forked:
+        return 1
+    if num_threads is None:
+        import torch
+        num_threads = torch.get_num_threads()
+    return max(1, int(num_threads))
+
+
 def address(array: np.ndarray) -> int:
     """The address of ``array``'s first element."""
     return array.__array_interface__["data"][0]
@@ -185,6 +253,7 @@ class Kernel:
     def __init__(self, body: Callable):
         self.body = body
         self._outlined = None
+        self._functions: Optional[np.ndarray] = None
         self._compile_lock = threading.Lock()
 
     def _compiled(self):
@@ -210,6 +279,24 @@ class Kernel:
                 self._outlined = outlined
             return self._outlined
 
+    def functions(self) -> np.ndarray:
+        """int64 addresses for :func:`launch_in_numba`: the outlined function, GOMP_parallel,
+        omp_get_thread_num, omp_get_num_threads (compiles the body on first call).
+
+        Raises
+        ------
+        RuntimeError
+            If PyTorch's OpenMP runtime is not available (see :func:`unavailable_reason`).
+        """
+        if self._functions is None:
+            runtime = _load()
+            if runtime is None:
+                raise RuntimeError(f"bngrad._gomp is unavailable: {_reason}")
+            self._functions = np.array([self._compiled().address, runtime.parallel,
+                                        runtime.thread_num,
+                                        runtime.num_threads], dtype=np.int64)
+        return self._functions
+
     def launch(self, args: np.ndarray, n_items: int, num_threads: Optional[int] = None) -> None:
         """Run items ``0..n_items-1`` of the body on PyTorch's OpenMP team.
 
@@ -228,24 +315,10 @@ class Kernel:
         RuntimeError
             If PyTorch's OpenMP runtime is not available (see :func:`unavailable_reason`).
         """
-        runtime = _load()
-        if runtime is None:
-            raise RuntimeError(f"bngrad._gomp is unavailable: {_reason}")
-        if n_items <= 0:
-            return
-        if num_threads is None:
-            import torch
-            num_threads = torch.get_num_threads()
-        num_threads = max(1, min(int(num_threads), n_items))
+        functions = self.functions()
         if args.dtype != np.int64 or not args.flags.c_contiguous:
             args = np.ascontiguousarray(args, dtype=np.int64)
-        header = np.array([n_items, runtime.thread_num, runtime.num_threads, address(args),
-                           args.size], dtype=np.int64)
-        outlined = self._compiled()
-        if num_threads == 1 or _forked:
-            outlined.ctypes(address(header))  # outside a region: thread 0 of 1, all items
-        else:
-            runtime.parallel(outlined.address, address(header), num_threads, 0)
+        launch_in_numba(functions, args, n_items, team_size(num_threads))
 
 
 def kernel(body: Callable) -> Kernel:
@@ -318,6 +391,26 @@ _elemt = kernel(_elemt_body)
 _reduce = kernel(_reduce_body)
 
 
+@njit(nogil=True)
+def _elemt_launch(x, dy, out, coef, seg, functions, num_threads):
+    A, C, B = dy.shape
+    args = np.empty(8, np.int64)
+    args[0], args[1], args[2], args[3] = A, C, B, seg
+    args[4], args[5], args[6], args[7] = x.ctypes.data, dy.ctypes.data, out.ctypes.data, \
+        coef.ctypes.data
+    launch_in_numba(functions, args, A * C * ((B + seg - 1) // seg), num_threads)
+
+
+@njit(nogil=True)
+def _reduce_launch(x, dy, mean, rows, seg, partial, functions, num_threads):
+    A, C, B = x.shape
+    args = np.empty(9, np.int64)
+    args[0], args[1], args[2], args[3], args[4] = A, C, B, rows, seg
+    args[5], args[6], args[7], args[8] = x.ctypes.data, dy.ctypes.data, mean.ctypes.data, \
+        partial.ctypes.data
+    launch_in_numba(functions, args, partial.shape[0] * partial.shape[1] * C, num_threads)
+
+
 def _check_sizes(**sizes):
     for name, value in sizes.items():
         if int(value) < 1:
@@ -352,9 +445,7 @@ def elemt_channels_first(x: np.ndarray, dy: np.ndarray, out: np.ndarray, coef: n
     A, C, B = dy.shape
     if coef.shape != (4, C):
         raise ValueError(f"coef has shape {coef.shape}, expected {(4, C)}")
-    args = np.array([A, C, B, seg, address(x), address(dy), address(out), address(coef)],
-                    dtype=np.int64)
-    _elemt.launch(args, A * C * -(-B // seg), num_threads)
+    _elemt_launch(x, dy, out, coef, seg, _elemt.functions(), team_size(num_threads))
 
 
 def reduce_channels_first(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, rows: int, seg: int,
@@ -380,6 +471,4 @@ def reduce_channels_first(x: np.ndarray, dy: np.ndarray, mean: np.ndarray, rows:
     if partial.shape != tiles or mean.shape != (C,):
         raise ValueError(f"partial {partial.shape} and mean {mean.shape}: expected {tiles} "
                          f"and {(C,)}")
-    args = np.array([A, C, B, rows, seg, address(x), address(dy), address(mean),
-                     address(partial)], dtype=np.int64)
-    _reduce.launch(args, tiles[0] * tiles[1] * C, num_threads)
+    _reduce_launch(x, dy, mean, rows, seg, partial, _reduce.functions(), team_size(num_threads))
