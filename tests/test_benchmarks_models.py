@@ -47,10 +47,12 @@ def _step(model, x, labels):
     return loss.detach(), grads
 
 
-# float64 checks the arithmetic tightly in both layouts; float32 the dtype users train in.
-CASES = [(name, layout, torch.float64, 1e-9) for name in TINY for layout in LAYOUTS]
-CASES += [("resnet18", "channels_last", torch.float32, 2e-4),
-          ("resnet20", "contiguous", torch.float32, 2e-4)]
+# Each model in both layouts, once in float64 (tight: the arithmetic) and once in float32 (the
+# dtype users train in), four cases to stay fast.
+CASES = [("resnet18", "contiguous", torch.float64, 1e-9),
+         ("resnet18", "channels_last", torch.float32, 2e-4),
+         ("resnet20", "channels_last", torch.float64, 1e-9),
+         ("resnet20", "contiguous", torch.float32, 2e-4)]
 
 
 @pytest.mark.parametrize("name,layout,dtype,tol", CASES,
