@@ -13,6 +13,13 @@ Per channel c, over the M elements of that channel::
     eval:  dx = dy * invstd * w,  with mean = running_mean, invstd = 1 / sqrt(running_var + eps)
     grad_weight = sum_dy_xmu * invstd
     grad_bias   = sum_dy
+
+Batch norm fused with a residual add and a ReLU (``batch_norm_relu_forward`` / ``_backward``)::
+
+    forward:  y = act(w * (x - mean) * invstd + b + z),  act = ReLU or none, z the side input
+    backward: g = 0 where y <= 0 (ReLU), else dy   (PyTorch's threshold_backward(dy, y, 0))
+              grad_input, grad_weight, grad_bias = batch norm's backward of g
+              grad_side_input = g
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ __all__ = [
     "batch_norm_backward_reduce",
     "batch_norm_forward",
     "batch_norm_moments",
+    "batch_norm_relu_backward",
+    "batch_norm_relu_forward",
 ]
 
 
@@ -160,3 +169,45 @@ def batch_norm_forward(input, weight=None, bias=None, running_mean=None, running
         save_mean = save_invstd = np.zeros(0)
     output = _restore((x - mean) * invstd * w + b, channel_axis)
     return output, save_mean, save_invstd, new_rm, new_rv
+
+
+def batch_norm_relu_forward(input, weight=None, bias=None, running_mean=None, running_var=None,
+                            train=True, momentum=0.1, eps=1e-5, *, side_input=None,
+                            activation="relu", channel_axis=1):
+    """Batch norm, plus the side input, then the activation, in float64.
+
+    Returns (output, save_mean, save_invstd, new_running_mean, new_running_var, relu_mask):
+    the first five as :func:`batch_norm_forward`'s, with ``output = act(bn + side_input)``;
+    ``relu_mask`` is a bool array of input's shape, True where the ReLU passes the gradient
+    (``not output <= 0``: positive, or NaN), None for ``activation="none"``.
+    """
+    output, save_mean, save_invstd, new_rm, new_rv = batch_norm_forward(
+        input, weight, bias, running_mean, running_var, train, momentum, eps,
+        channel_axis=channel_axis)
+    if side_input is not None:
+        output = output + _f64(side_input)
+    relu_mask = None
+    if activation == "relu":
+        relu_mask = ~(output <= 0)
+        output = np.where(relu_mask, output, 0.0)
+    return output, save_mean, save_invstd, new_rm, new_rv, relu_mask
+
+
+def batch_norm_relu_backward(grad_out, input, weight=None, running_mean=None, running_var=None,
+                             save_mean=None, save_invstd=None, train=True, eps=1e-5,
+                             output_mask=(True, True, True, True), *, output=None,
+                             relu_mask=None, activation="relu", channel_axis=1):
+    """Gradients of :func:`batch_norm_relu_forward`, in float64.
+
+    With ``activation="relu"``, give the forward's ``output`` or ``relu_mask`` (a bool array
+    of input's shape, True where the gradient passes). Returns (grad_input, grad_weight,
+    grad_bias, grad_side_input); None where ``output_mask`` is False.
+    """
+    g = _f64(grad_out)
+    if activation == "relu":
+        passes = ~(_f64(output) <= 0) if relu_mask is None else np.asarray(relu_mask, bool)
+        g = np.where(passes, g, 0.0)
+    grad_input, grad_weight, grad_bias = batch_norm_backward(
+        g, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+        tuple(output_mask[:3]), channel_axis=channel_axis)
+    return grad_input, grad_weight, grad_bias, (g if output_mask[3] else None)
