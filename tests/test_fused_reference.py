@@ -76,7 +76,9 @@ def _torch_unfused(x, z, dy, w, b, rm, rv, train, activation, momentum=0.1, eps=
     import torch.nn.functional as F
     t = {k: None if v is None else torch.from_numpy(v.copy())
          for k, v in dict(x=x, z=z, w=w, b=b, rm=rm, rv=rv).items()}
-    leaves = [t[k].requires_grad_() for k in ("x", "w", "b", "z") if t[k] is not None]
+    for k in ("x", "w", "b", "z"):
+        if t[k] is not None:
+            t[k].requires_grad_()
     y = F.batch_norm(t["x"], t["rm"], t["rv"], t["w"], t["b"], train, momentum, eps)
     if t["z"] is not None:
         y = y + t["z"]
