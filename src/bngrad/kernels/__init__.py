@@ -1,8 +1,8 @@
 """Kernel dispatch: runs a :class:`KernelPlan` (kernels._plan) on canonical kernel arrays.
 
 Layers, bottom up: ``_elements`` (dtype codecs), ``_ops`` (the per-element maths, once),
-``batchnorm`` (each layout's loops and the parallel kernels' work items), ``_launch`` (who runs
-the items), ``_plan`` (which path and tiles, and the tuning constants); this module executes a
+``batchnorm`` (each layout's loops, the parallel kernels' work items and their launchers),
+``_plan`` (which path and tiles, and the tuning constants); this module executes a
 plan: it sizes the work, spreads per-channel values over lanes and combines partial sums.
 """
 
@@ -15,7 +15,6 @@ from typing import Iterator, Optional
 
 import numpy as np
 
-from . import _launch
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
@@ -25,8 +24,9 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PROJ", "SCALE", "PATHS", "Config", "Ker
            "compute_dtype", "config", "copy_rows", "elementwise", "forced_path", "forward_train",
            "override", "plan", "reduce", "train_coefficients", "transpose_last_two"]
 
-# Who runs the work items (see kernels._launch): a module of launchers, the one seam to swap.
-launch = _launch
+# Who runs the work items: the launchers at the end of kernels.batchnorm (prange), the one
+# seam to swap (see there).
+launch = k
 
 
 def _ceil_div(a: int, b: int) -> int:

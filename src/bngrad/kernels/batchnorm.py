@@ -6,9 +6,9 @@ Two canonical layouts (see bngrad._layout):
 
 Each parallel kernel is a loop over independent work items (tiles, run segments, channel
 groups, channels); ``<kernel>_item(item, ...)`` is one item's work, writes only that item's
-outputs and reads nothing another item writes, so whoever runs the items (kernels._launch)
-cannot change the result. The per-element maths is in kernels._ops, written once; the loops
-here only walk the layouts.
+outputs and reads nothing another item writes, so whoever runs the items (the launchers at the
+end) cannot change the result. The per-element maths is in kernels._ops, written once; the
+loops here only walk the layouts.
 
 Determinism: every reduction is cut into tiles whose bounds depend on the data's shape only
 (never on the thread count), each tile is summed in a fixed order, and the tile sums are added
@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from numba import njit, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 from ._elements import from_float
@@ -367,3 +367,77 @@ def transpose_item(item, source, out):
     for c in range(jc * t, min(C, jc * t + t)):
         for b in range(jb * t, min(B, jb * t + t)):
             dst[c, b] = src[b, c]
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers: who runs the work items, today Numba's pool (prange)
+#
+# Each parallel kernel is ``for item in range(n): <kernel>_item(item, *args)``; kernels.__init__
+# computes ``n`` from the plan and calls these through its ``launch`` attribute, the one place
+# to swap them. Another backend (bngrad._gomp runs items on PyTorch's OpenMP team) provides
+# functions of these names and signatures over the same ``*_item`` bodies: same items, same
+# serial combination afterwards, same bits. They live in this file because Numba keys each
+# cached function on its own file only: an edited item body must invalidate its launcher too.
+
+
+
+@njit(parallel=True, **_JIT)
+def reduce_runs(n, x, dy, y, mean, shift, rows, seg, partial):
+    for item in prange(n):
+        reduce_runs_item(item, x, dy, y, mean, shift, rows, seg, partial)
+
+
+@njit(parallel=True, **_JIT)
+def reduce_short(n, x2, d2, y2, B, mean, shift, rows, group, partial):
+    for item in prange(n):
+        reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial)
+
+
+@njit(parallel=True, **_JIT)
+def reduce_lanes(n, x, dy, y, mean, shift, rows, cols, partial):
+    for item in prange(n):
+        reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial)
+
+
+@njit(parallel=True, **_JIT)
+def elementwise_runs(n, x, dy, y, out, coef, seg):
+    for item in prange(n):
+        elementwise_runs_item(item, x, dy, y, out, coef, seg)
+
+
+@njit(parallel=True, **_JIT)
+def elementwise_short(n, x, dy, y, out, coef, group):
+    for item in prange(n):
+        elementwise_short_item(item, x, dy, y, out, coef, group)
+
+
+@njit(parallel=True, **_JIT)
+def elementwise_lanes(n, x, dy, y, out, coef, rows, cols):
+    for item in prange(n):
+        elementwise_lanes_item(item, x, dy, y, out, coef, rows, cols)
+
+
+@njit(parallel=True, **_JIT)
+def backward_fused(n, x, dy, y, out, mean, invstd, weight, count, rows, seg, sum_dy,
+                   sum_dy_xmu, coef):
+    for c in prange(n):
+        backward_fused_item(c, x, dy, y, out, mean, invstd, weight, count, rows, seg, sum_dy,
+                              sum_dy_xmu, coef)
+
+
+@njit(parallel=True, **_JIT)
+def forward_fused(n, x, out, weight, bias, eps, count, rows, seg, mean, var, coef):
+    for c in prange(n):
+        forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var, coef)
+
+
+@njit(parallel=True, **_JIT)
+def copy_rows(n, source, out):
+    for i in prange(n):
+        copy_rows_item(i, source, out)
+
+
+@njit(parallel=True, **_JIT)
+def transpose_last_two(n, source, out):
+    for item in prange(n):
+        transpose_item(item, source, out)

@@ -1,0 +1,146 @@
+"""Every named kernel path, forced, against bngrad.reference: whichever path a machine's shapes
+and core count would pick, each is held to the tolerance table here.
+
+Matrix: path (kernels.PATHS, forced with ``kernels.forced_path``) x dtype variant x mode x
+output mask for the backward; path x variant x train/eval x weight for the forward; path x
+variant for reduce + elemt. The tuning constants are shrunk (``kernels.override``) so that
+small arrays still make several row blocks (with 4-row passes and tails), run segments and
+channel groups. Channels-last rows, which only the lanes path takes, are reached without
+forcing, folded with a leftover piece.
+
+Also: the one thread-dependent choice (fused or not) gives the same bits both ways, and the
+plan names the path it takes (``bngrad.explain``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import bngrad
+from bngrad import kernels, reference
+from bngrad.kernels import _plan
+from conftest import DTYPE_VARIANTS, MASKS, MODES, check_backward, make_case, mask_id
+from test_forward import check_forward, make_forward_case
+from tolerances import assert_bitwise_equal, assert_close
+
+# (id, shape, layout, tuning overrides, paths): every tile kind on a few hundred elements.
+GRIDS = [
+    # rows blocks of 5 (4-row pass + 1-row tail, a last block of 1); short groups of 2 of 5
+    ("blocks", (11, 5, 40), "contig", dict(tile=200, short_group_lanes=80), kernels.PATHS),
+    # runs of 70 in segments of 32 (32, 32, 6), one row per block
+    ("segments", (3, 3, 70), "contig", dict(tile=32, short_group_lanes=80), kernels.PATHS),
+    # NHWC (45, 6) rows: 4 folded into 24 lanes for reductions (2 row blocks of 6, column
+    # groups of 16 + 8), 2 into 12 for elementwise passes; 1 leftover row each
+    ("nhwc-folded", (5, 6, 3, 3), "chlast",
+     dict(fold_lanes=24, elemt_lanes=12, tile=24, min_block_rows=4, column_group=16),
+     ("lanes",)),
+]
+CASES = [(g, p) for g in GRIDS for p in g[4]]
+VARIANTS = [v.id for v in DTYPE_VARIANTS]
+
+
+def _case_id(case):
+    grid, path = case
+    return f"{path}-{grid[0]}"
+
+
+@contextlib.contextmanager
+def _on_path(grid, path):
+    """Run on ``path`` (forced where the grid is channels-first) with the grid's constants."""
+    with kernels.override(**grid[3]), (kernels.forced_path(path) if grid[2] == "contig"
+                                       else contextlib.nullcontext()):
+        yield
+
+
+def _assert_path(x, path, grad_out=None):
+    text = bngrad.explain(x, grad_out, num_threads=1)
+    assert f"path={path!r}" in text, text
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=mask_id)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_backward_on_every_path(case, variant, mode, mask):
+    grid, path = case
+    # weight given or not along with grad_weight's mask bit: both kinds on every path
+    c = make_case(grid[1], 1, variant, mode, with_weight=mask[1], output_mask=mask,
+                  layouts=(grid[2], grid[2]), seed=len(grid[0]))
+    with _on_path(grid, path):
+        _assert_path(c.input, path, c.grad_out)
+        check_backward(c, num_threads=2)
+
+
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "noaffine"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_forward_on_every_path(case, variant, train, affine):
+    grid, path = case
+    x, w, b, rm, rv = make_forward_case(grid[1], 1, variant, affine, True, grid[2], seed=3)
+    with _on_path(grid, path):
+        _assert_path(x, path)
+        check_forward(x, w, b, rm, rv, train, num_threads=2)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_reduce_and_elemt_on_every_path(case, variant):
+    grid, path = case
+    c = make_case(grid[1], 1, variant, "train", layouts=(grid[2], grid[2]), seed=7)
+    args = (c.grad_out, c.input, c.save_mean, c.save_invstd, c.weight)
+    scales = c.scales()
+    with _on_path(grid, path):
+        got = bngrad.batch_norm_backward_reduce(*args, num_threads=2)
+        count = c.input.size // c.input.shape[1]
+        dx = bngrad.batch_norm_backward_elemt(*args, got[0], got[1], count, num_threads=2)
+    ref = reference.batch_norm_backward_reduce(*args)
+    for name, g, r in zip(("sum_dy", "sum_dy_xmu", "grad_weight", "grad_bias"), got, ref):
+        assert_close(g, r, g.dtype, name, scale=scales[name])
+    ref_dx = reference.batch_norm_backward_elemt(*args, got[0], got[1], count)
+    assert_close(dx, ref_dx, dx.dtype, "grad_input", scale=scales["grad_input"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("grid", GRIDS[:2], ids=[g[0] for g in GRIDS[:2]])
+def test_fused_and_runs_give_the_same_bits(grid, variant):
+    """The only choice that depends on the thread count must not change a bit."""
+    c = make_case(grid[1], 1, variant, "train-nostats", layouts=("contig", "contig"), seed=11)
+    results = {}
+    for path in ("fused", "runs"):
+        with _on_path(grid, path):
+            results[path] = (bngrad.batch_norm_backward(*c.args(), num_threads=2)
+                             + bngrad.batch_norm_forward(c.input, c.weight, c.weight,
+                                                         num_threads=2))
+    for i, (a, b) in enumerate(zip(results["fused"], results["runs"])):
+        assert_bitwise_equal(a, b, f"output {i}")
+
+
+def test_path_depends_on_threads_only_through_fusing():
+    cfg = kernels.Config()
+    for shape in [(3, 20, 300), (4, 5, 49), (4, 5, 7), (100, 3)]:
+        paths = {_plan._plan(shape, threads, cfg, None).path for threads in (1, 2, 4, 8, 64)}
+        assert paths <= {"fused", "runs"} or len(paths) == 1, (shape, paths)
+    assert _plan._plan((3, 20, 300), 1, cfg, None).path == "fused"
+    assert _plan._plan((3, 20, 300), 8, cfg, None).path == "runs"
+
+
+def test_natural_paths_and_explain():
+    """Which shapes reach which path with the default constants (docs/internals.md's map)."""
+    expected = {(64, 3): "lanes", (8, 16, 5, 5): "lanes", (8, 16, 7, 7): "short",
+                (2, 64, 16, 16): "fused", (2, 3, 16, 16): "runs"}
+    for shape, path in expected.items():
+        _assert_path(np.zeros(shape, np.float32), path)
+    text = bngrad.explain(np.zeros((4, 6, 10, 10))[:, :, ::2], num_threads=1)
+    assert "copied: input" in text and "path='short'" in text, text
+
+
+def test_forcing_a_channels_first_path_on_rows_raises():
+    with kernels.forced_path("short"), pytest.raises(ValueError, match="channels-first"):
+        bngrad.explain(np.zeros((10, 3)))
+    with pytest.raises(ValueError, match="unknown kernel path"):
+        with kernels.forced_path("fast"):
+            pass
