@@ -17,6 +17,7 @@ from .api import (
     explain,
 )
 from .errors import ArgumentTypeError, ArgumentValueError, BngradError
+from .fused import batch_norm_relu_backward, batch_norm_relu_forward
 
 # The only place the version is written: pyproject.toml reads it (dynamic = ["version"]).
 __version__ = "0.1.0"
@@ -30,6 +31,8 @@ __all__ = [
     "batch_norm_backward_reduce",
     "batch_norm_forward",
     "batch_norm_moments",
+    "batch_norm_relu_backward",
+    "batch_norm_relu_forward",
     "errors",
     "explain",
     "reference",

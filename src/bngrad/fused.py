@@ -1,0 +1,312 @@
+"""Batch norm fused with a residual add and a ReLU: the NumPy API.
+
+Per channel, as :func:`bngrad.batch_norm_forward` / :func:`bngrad.batch_norm_backward`::
+
+    forward:   y = act(weight * (x - mean) * invstd + bias + side_input),  act = ReLU or none
+    backward:  g = 0 where y <= 0 (ReLU), else grad_out    (PyTorch's threshold_backward)
+               grad_input, grad_weight, grad_bias = batch norm's backward of g
+               grad_side_input = g
+
+This is cuDNN's ``BN_ADD_ACTIVATION``, TF's ``FusedBatchNormEx`` (``side_input``,
+``activation_mode="Relu"``) and oneDNN's ``fuse_norm_add_relu``. The backward needs either
+the forward's output ``y`` or its ReLU mask, which the forward returns in one of two formats:
+
+- ``"bits"``: one bit per element, as oneDNN's workspace: a 1-D uint8 array of
+  ``ceil(input.size / 8)`` bytes, ``np.packbits(passes, axis=None, bitorder="little")``, where
+  ``passes`` is a bool array of input's shape and the bits follow its C-order (row-major)
+  flattening whatever the memory layout: element ``i`` of ``passes.ravel()`` is bit
+  ``i % 8`` (least significant first) of byte ``i // 8``; the padding bits of the last byte
+  are ignored;
+- ``"bytes"``: ``passes`` itself, a bool array of input's shape.
+
+``passes`` is ``not (y <= 0)``: True where y is positive or NaN (ReLU passes NaN on, and
+threshold_backward lets the gradient through where y is NaN), False where y <= 0, exact ties
+at 0 included.
+
+**Not fused yet.** Today both functions are a composition of the public kernels
+(:func:`bngrad.batch_norm_forward` / :func:`bngrad.batch_norm_backward`) with NumPy for the
+add, the ReLU, the mask and ``g``: two to three extra passes over memory, single-threaded.
+The composition sits behind one seam, :func:`_fused_forward_impl` and
+:func:`_fused_backward_impl`, which a fused kernel will replace without changing the API.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence, Tuple
+
+import numpy as np
+
+from . import _validate as check
+from .api import batch_norm_backward, batch_norm_forward
+from .errors import ArgumentTypeError, ArgumentValueError
+
+__all__ = ["ACTIVATIONS", "MASK_FORMATS", "batch_norm_relu_backward", "batch_norm_relu_forward",
+           "mask_bytes"]
+
+Array = np.ndarray
+
+#: Values of ``activation``.
+ACTIVATIONS = ("relu", "none")
+#: Values of ``mask_format`` (None: no mask, the backward is then given the output).
+MASK_FORMATS = ("bits", "bytes", None)
+
+
+def mask_bytes(n_elements: int, mask_format: Optional[str] = "bits") -> int:
+    """Bytes of the ReLU mask for ``n_elements`` elements: ``ceil(n / 8)`` as bits, ``n`` as
+    bytes, 0 without a mask."""
+    if mask_format == "bits":
+        return (n_elements + 7) // 8
+    return n_elements if mask_format == "bytes" else 0
+
+
+# --- argument checks of the fused functions (the rest is checked by the batch-norm API) ------
+
+def _activation(value: Any) -> str:
+    if not isinstance(value, str) or value not in ACTIVATIONS:
+        raise ArgumentValueError(
+            f"activation: expected 'relu' or 'none', got {check.describe(value)}")
+    return value
+
+
+def _mask_format(value: Any) -> Optional[str]:
+    if value is not None and (not isinstance(value, str) or value not in MASK_FORMATS):
+        raise ArgumentValueError(
+            f"mask_format: expected 'bits', 'bytes' or None, got {check.describe(value)}")
+    return value
+
+
+def _like_input(name: str, value: Any, input: Array) -> Array:
+    """side_input or output: an array of input's shape and dtype, any layout."""
+    array = check.data_array(name, value)
+    if array.shape != input.shape:
+        raise ArgumentValueError(
+            f"{name}: expected the shape of input {input.shape}, got shape {array.shape}")
+    if array.dtype != input.dtype:
+        raise ArgumentTypeError(
+            f"{name}: expected the dtype of input ({input.dtype}), got dtype {array.dtype}")
+    return array
+
+
+def _output_mask(value: Any) -> Tuple[bool, bool, bool, bool]:
+    try:
+        items = tuple(value)
+    except TypeError:
+        items = None
+    if items is None or len(items) != 4 or not all(isinstance(v, (bool, np.bool_))
+                                                   for v in items):
+        raise ArgumentValueError(
+            "output_mask: expected four booleans (grad_input, grad_weight, grad_bias, "
+            f"grad_side_input), got {check.describe(value)}")
+    return tuple(bool(v) for v in items)  # type: ignore[return-value]
+
+
+def _relu_mask(value: Any, input: Array) -> Array:
+    """A ReLU mask in either format; returned as given."""
+    if not isinstance(value, np.ndarray):
+        raise ArgumentTypeError(
+            f"relu_mask: expected a NumPy array (the forward's relu_mask), got "
+            f"{check.describe(value)}")
+    n_bytes = mask_bytes(input.size, "bits")
+    if value.dtype == np.bool_:
+        if value.shape != input.shape:
+            raise ArgumentValueError(
+                f"relu_mask: a bool mask ('bytes' format) must have input's shape "
+                f"{input.shape}, got shape {value.shape}")
+    elif value.dtype == np.uint8:
+        if value.shape != (n_bytes,):
+            raise ArgumentValueError(
+                f"relu_mask: a uint8 mask ('bits' format) must have shape ({n_bytes},) "
+                f"(one bit per element of input's {input.size}, rounded up to bytes), got "
+                f"shape {value.shape}")
+    else:
+        raise ArgumentTypeError(
+            f"relu_mask: expected uint8 ('bits' format) or bool ('bytes' format), got dtype "
+            f"{value.dtype}")
+    return value
+
+
+def _passes(relu_mask: Array, shape: Tuple[int, ...]) -> Array:
+    """The bool array of ``shape`` (True: the gradient passes) that ``relu_mask`` encodes."""
+    if relu_mask.dtype == np.bool_:
+        return relu_mask
+    size = int(np.prod(shape))
+    return np.unpackbits(relu_mask, count=size, bitorder="little").reshape(shape).view(np.bool_)
+
+
+# --- the public functions ---------------------------------------------------------------------
+
+def batch_norm_relu_forward(input: Any, weight: Any = None, bias: Any = None,
+                            running_mean: Any = None, running_var: Any = None,
+                            train: bool = True, momentum: float = 0.1, eps: float = 1e-5, *,
+                            side_input: Any = None, activation: str = "relu",
+                            mask_format: Optional[str] = "bits", channel_axis: int = 1,
+                            num_threads: Optional[int] = None, out: Optional[Array] = None
+                            ) -> Tuple[Array, Array, Array, Optional[Array]]:
+    """Batch norm, plus an optional side input, then a ReLU: ``y = act(bn(x) + side_input)``.
+
+    Arguments, statistics and running-statistics updates are those of
+    :func:`bngrad.batch_norm_forward` (``native_batch_norm``'s order: weight and bias before
+    the running statistics). Today a composition of :func:`bngrad.batch_norm_forward` and
+    NumPy (the add, the ReLU and the mask are extra passes over memory), not yet one fused
+    kernel; see :mod:`bngrad.fused`.
+
+    Parameters
+    ----------
+    input, weight, bias, running_mean, running_var, train, momentum, eps
+        As :func:`bngrad.batch_norm_forward`.
+    side_input : ndarray, optional
+        Added before the activation (the residual branch): input's shape and dtype, any
+        layout. None: no add.
+    activation : {"relu", "none"}
+    mask_format : {"bits", "bytes", None}
+        Format of the returned ReLU mask (see :mod:`bngrad.fused`): one bit or one byte per
+        element; None returns no mask (the backward then needs the output).
+    channel_axis, num_threads
+        As :func:`bngrad.batch_norm_forward`.
+    out : ndarray, optional
+        Buffer for the output (input's shape and dtype); it may be input itself, but must not
+        overlap side_input.
+
+    Returns
+    -------
+    output : ndarray
+        ``out`` if given; else input's shape and dtype, in input's axis order when input is
+        dense in some order.
+    save_mean, save_invstd : ndarray (C,)
+        As :func:`bngrad.batch_norm_forward` (empty in eval mode).
+    relu_mask : ndarray or None
+        uint8 ``(ceil(input.size / 8),)`` for "bits", bool of input's shape for "bytes"; None
+        for ``mask_format=None`` or ``activation="none"``.
+    """
+    input = check.data_array("input", input)
+    activation = _activation(activation)
+    mask_format = _mask_format(mask_format)
+    if side_input is not None:
+        side_input = _like_input("side_input", side_input, input)
+        if out is not None and isinstance(out, np.ndarray) and np.shares_memory(out, side_input):
+            raise ArgumentValueError(
+                "out: overlaps side_input; pass a separate buffer (or input itself)")
+    return _fused_forward_impl(input, weight, bias, running_mean, running_var, train, momentum,
+                               eps, side_input, activation, mask_format, channel_axis,
+                               num_threads, out)
+
+
+def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
+                             running_mean: Any = None, running_var: Any = None,
+                             save_mean: Any = None, save_invstd: Any = None, train: bool = True,
+                             eps: float = 1e-5,
+                             output_mask: Sequence[bool] = (True, True, True, True), *,
+                             output: Any = None, relu_mask: Any = None,
+                             activation: str = "relu", channel_axis: int = 1,
+                             num_threads: Optional[int] = None, out: Optional[Array] = None
+                             ) -> Tuple[Optional[Array], Optional[Array], Optional[Array],
+                                        Optional[Array]]:
+    """Gradients of :func:`batch_norm_relu_forward`: batch norm's backward of the masked
+    gradient, and the side input's gradient.
+
+    Arguments are those of :func:`bngrad.batch_norm_backward` (``native_batch_norm_backward``'s
+    order), with a fourth output in ``output_mask`` and the ReLU given by ``output`` or
+    ``relu_mask``. Today a composition of NumPy (the mask, ``g``) and
+    :func:`bngrad.batch_norm_backward`, not yet one fused kernel; see :mod:`bngrad.fused`.
+
+    Parameters
+    ----------
+    grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps
+        As :func:`bngrad.batch_norm_backward`; ``grad_out`` is the gradient of the fused
+        output y.
+    output_mask : four bools
+        Which of (grad_input, grad_weight, grad_bias, grad_side_input) to compute.
+    output : ndarray, optional
+        The forward's output y (input's shape and dtype, any layout): the gradient passes
+        where ``not y <= 0``.
+    relu_mask : ndarray, optional
+        The forward's mask, "bits" (uint8) or "bytes" (bool) format. With
+        ``activation="relu"`` give exactly one of output and relu_mask; with "none", neither.
+    activation : {"relu", "none"}
+    channel_axis, num_threads
+        As :func:`bngrad.batch_norm_backward`.
+    out : ndarray, optional
+        Buffer for grad_input, as in :func:`bngrad.batch_norm_backward` (it may be grad_out).
+
+    Returns
+    -------
+    grad_input, grad_weight, grad_bias : ndarray or None
+        As :func:`bngrad.batch_norm_backward`, of the masked gradient g.
+    grad_side_input : ndarray or None
+        g: input's shape and dtype, in input's axis order when input is dense in some order.
+    """
+    input = check.data_array("input", input)
+    grad_out = check.data_array("grad_out", grad_out)
+    check.same_shape_and_dtype(grad_out, input)
+    mask = _output_mask(output_mask)
+    activation = _activation(activation)
+    if activation == "none":
+        if output is not None or relu_mask is not None:
+            raise ArgumentValueError(
+                "output, relu_mask: expected neither with activation='none' (there is no ReLU "
+                "to undo), got " + ("output" if output is not None else "relu_mask"))
+    elif (output is None) == (relu_mask is None):
+        raise ArgumentValueError(
+            "output, relu_mask: expected exactly one of them with activation='relu' (the "
+            "forward's output y, or its relu_mask), got "
+            + ("both" if output is not None else "neither"))
+    elif output is not None:
+        output = _like_input("output", output, input)
+    else:
+        relu_mask = _relu_mask(relu_mask, input)
+    return _fused_backward_impl(grad_out, input, weight, running_mean, running_var, save_mean,
+                                save_invstd, train, eps, mask, output, relu_mask, channel_axis,
+                                num_threads, out)
+
+
+# --- the seam: today a composition, later one fused kernel ------------------------------------
+
+def _fused_forward_impl(input: Array, weight: Any, bias: Any, running_mean: Any,
+                        running_var: Any, train: Any, momentum: Any, eps: Any,
+                        side_input: Optional[Array], activation: str,
+                        mask_format: Optional[str], channel_axis: Any, num_threads: Any,
+                        out: Optional[Array]) -> Tuple[Array, Array, Array, Optional[Array]]:
+    """The fused forward, on arguments checked above (the batch-norm ones are checked by
+    batch_norm_forward). Composition: batch norm, then in place the add and the ReLU."""
+    output, save_mean, save_invstd = batch_norm_forward(
+        input, weight, bias, running_mean, running_var, train, momentum, eps,
+        channel_axis=channel_axis, num_threads=num_threads, out=out)
+    if side_input is not None:
+        np.add(output, side_input, out=output)
+    relu_mask = None
+    if activation == "relu":
+        with np.errstate(invalid="ignore"):  # NaN compared
+            blocked = output <= 0
+        output[blocked] = 0
+        if mask_format == "bits":
+            relu_mask = np.packbits(~blocked, axis=None, bitorder="little")
+        elif mask_format == "bytes":
+            relu_mask = np.ascontiguousarray(~blocked)
+    return output, save_mean, save_invstd, relu_mask
+
+
+def _fused_backward_impl(grad_out: Array, input: Array, weight: Any, running_mean: Any,
+                         running_var: Any, save_mean: Any, save_invstd: Any, train: Any,
+                         eps: Any, output_mask: Tuple[bool, bool, bool, bool],
+                         output: Optional[Array], relu_mask: Optional[Array], channel_axis: Any,
+                         num_threads: Any, out: Optional[Array]
+                         ) -> Tuple[Optional[Array], Optional[Array], Optional[Array],
+                                    Optional[Array]]:
+    """The fused backward, on arguments checked above (the batch-norm ones are checked by
+    batch_norm_backward). Composition: g = grad_out masked (a new array in input's axis
+    order), then batch norm's backward of g. With neither output nor relu_mask, g is
+    grad_out (copied only when grad_side_input is asked for)."""
+    if output is None and relu_mask is None and not output_mask[3]:
+        g = grad_out
+    else:
+        g = np.empty_like(input, order="K")
+        g[...] = grad_out
+        if output is not None:
+            with np.errstate(invalid="ignore"):  # NaN compared
+                g[output <= 0] = 0
+        elif relu_mask is not None:
+            g[~_passes(relu_mask, input.shape)] = 0
+    grad_input, grad_weight, grad_bias = batch_norm_backward(
+        g, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
+        output_mask[:3], channel_axis=channel_axis, num_threads=num_threads, out=out)
+    return grad_input, grad_weight, grad_bias, (g if output_mask[3] else None)
