@@ -2,6 +2,9 @@
 
 - :func:`batch_norm`: :func:`torch.nn.functional.batch_norm`, differentiable to any order;
 - :class:`BatchNorm1d`, :class:`BatchNorm2d`, :class:`BatchNorm3d`: drop-in modules;
+- :func:`batch_norm_relu`, :func:`batch_norm_add_relu`, :class:`BatchNormReLU2d`,
+  :class:`BatchNormAddReLU2d` (and 1d/3d): batch norm fused with ReLU / residual add + ReLU
+  (:mod:`bngrad.torch.fused`);
 - :func:`convert` / :func:`revert`: swap the batch norms of a model either way;
 - :class:`SyncBatchNorm`: batch norm synchronized across processes (torch.distributed);
 - ``torch.ops.bngrad.*``: the custom operators (:mod:`bngrad.torch.ops`), traceable by
@@ -24,8 +27,13 @@ except ImportError as exc:
 
 from . import ops  # noqa: E402  (registers torch.ops.bngrad.*)
 from .functional import batch_norm  # noqa: E402
+from .fused import (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d,  # noqa: E402
+                    BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d, batch_norm_add_relu,
+                    batch_norm_relu)
 from .modules import BatchNorm1d, BatchNorm2d, BatchNorm3d, convert, revert  # noqa: E402
 from .sync import CollectiveError, SyncBatchNorm  # noqa: E402
 
-__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "CollectiveError", "SyncBatchNorm",
-           "batch_norm", "convert", "ops", "revert"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormAddReLU1d", "BatchNormAddReLU2d",
+           "BatchNormAddReLU3d", "BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d",
+           "CollectiveError", "SyncBatchNorm", "batch_norm", "batch_norm_add_relu",
+           "batch_norm_relu", "convert", "ops", "revert"]

@@ -1,0 +1,265 @@
+"""bngrad.torch's fused batch norm + ReLU and batch norm + add + ReLU: the custom ops
+(opcheck), gradients by finite differences (gradcheck / gradgradcheck, float64, eager and op
+paths), values against PyTorch's unfused sequence (BatchNorm*d, add, ReLU under autograd),
+modules' state, and what autograd keeps for the backward."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.autograd import gradcheck, gradgradcheck  # noqa: E402
+
+import bngrad.torch as bt  # noqa: E402
+from bngrad.torch import _eager  # noqa: E402
+from conftest import from_torch  # noqa: E402
+from tolerances import assert_close  # noqa: E402
+
+
+def _t(shape, dtype=torch.float64, seed=0, shift=0.2):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) + shift).to(dtype)
+
+
+def _chlast(t):
+    perm = [0] + list(range(2, t.dim())) + [1]
+    return t.permute(perm).contiguous().permute([perm.index(i) for i in range(t.dim())])
+
+
+# --- custom ops: schema, fake implementations, autograd registration --------------------------
+
+def _forward_samples():
+    x = _t((3, 4, 2, 5), torch.float32).requires_grad_()
+    w, b = _t(4, torch.float32, 1).requires_grad_(), _t(4, torch.float32, 2).requires_grad_()
+    rm, rv = _t(4, torch.float32, 3), _t(4, torch.float32, 4).abs() + 0.5
+    z = _chlast(_t((3, 4, 2, 5), torch.float32, 5)).requires_grad_()
+    yield "float32-train-side", (_chlast(x.detach()).requires_grad_(), w, b, rm, rv, z, True,
+                                 0.1, 1e-5, "relu")
+    xb = _t((3, 4, 5), torch.bfloat16, 6).requires_grad_()
+    yield "bfloat16-p32-eval", (xb, w, b, rm, rv, None, False, 0.1, 1e-5, "relu")
+    yield "float64-noparams-none", (_t((5, 3), seed=7).requires_grad_(), None, None, None, None,
+                                    _t((5, 3), seed=8).requires_grad_(), True, 0.1, 1e-5, "none")
+
+
+def _backward_samples():
+    x, dy = _t((3, 4, 5), torch.float32), _t((3, 4, 5), torch.float32, 5)
+    w = _t(4, torch.float32, 1)
+    mean, var = x.mean((0, 2)), x.var((0, 2), unbiased=False)
+    invstd = torch.rsqrt(var + 1e-5)
+    bits = torch.randint(0, 256, ((x.numel() + 7) // 8,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(9))
+    yield "train", (dy, x, w, None, None, mean, invstd, bits, True, 1e-5, [True] * 4, "relu")
+    yield "eval-noweight-mask1001", (dy, x, None, mean, var, torch.empty(0), torch.empty(0),
+                                     bits, False, 1e-5, [True, False, False, True], "relu")
+    yield "train-none-mask0110", (dy, x, w, None, None, mean, invstd,
+                                  torch.empty(0, dtype=torch.uint8), True, 1e-5,
+                                  [False, True, True, False], "none")
+
+
+_FORWARD = dict(_forward_samples())
+_BACKWARD = dict(_backward_samples())
+
+
+@pytest.mark.parametrize("case", list(_FORWARD))
+def test_opcheck_batch_norm_relu_forward(case):
+    torch.library.opcheck(torch.ops.bngrad.batch_norm_relu_forward.default, _FORWARD[case])
+
+
+@pytest.mark.parametrize("case", list(_BACKWARD))
+def test_opcheck_batch_norm_relu_backward(case):
+    torch.library.opcheck(torch.ops.bngrad.batch_norm_relu_backward.default, _BACKWARD[case])
+
+
+def test_op_mask_is_the_documented_bits():
+    x = _t((2, 3, 5), seed=1)
+    z = _t((2, 3, 5), seed=2, shift=-0.5)
+    out, *_, mask = torch.ops.bngrad.batch_norm_relu_forward(x, None, None, None, None, z, True,
+                                                             0.1, 1e-5, "relu")
+    assert mask.dtype == torch.uint8 and mask.shape == (4,)
+    flat = out.reshape(-1) > 0
+    for i in range(x.numel()):
+        assert bool((int(mask[i // 8]) >> (i % 8)) & 1) == bool(flat[i]), i
+
+
+# --- finite differences, float64, both paths ---------------------------------------------------
+
+@pytest.fixture(params=["eager", "op"])
+def path(request, monkeypatch):
+    if request.param == "op":
+        monkeypatch.setattr(_eager, "applies", lambda input: False)
+    return request.param
+
+
+@pytest.mark.parametrize("layout", ["contig", "chlast"])
+@pytest.mark.parametrize("with_side", [True, False], ids=["add-relu", "relu"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_gradcheck_and_gradgradcheck(train, with_side, layout, path):
+    x = _t((3, 2, 3, 2), seed=1)
+    x = (_chlast(x) if layout == "chlast" else x).requires_grad_()
+    w = (_t(2, seed=2) + 0.8).requires_grad_()
+    b = _t(2, seed=3).requires_grad_()
+    z = _t((3, 2, 3, 2), seed=4).requires_grad_()
+    rm, rv = _t(2, seed=5), _t(2, seed=6).abs() + 0.5
+
+    def f(x, w, b, z):
+        if with_side:
+            return bt.batch_norm_add_relu(x, z, rm.clone(), rv.clone(), w, b, train)
+        return bt.batch_norm_relu(x, rm.clone(), rv.clone(), w, b, train) + 0 * z
+
+    assert gradcheck(f, (x, w, b, z))
+    assert gradgradcheck(f, (x, w, b, z))
+
+
+def test_third_order_through_the_op(path):
+    x = _t((3, 2, 3), seed=1).requires_grad_()
+    w, b = (_t(2, seed=2) + 0.8).requires_grad_(), _t(2, seed=3).requires_grad_()
+    z = _t((3, 2, 3), seed=4)
+    v = _t((3, 2, 3), seed=5)
+
+    def first(x, w, b):
+        y = bt.batch_norm_add_relu(x, z, None, None, w, b, True)
+        return torch.autograd.grad((y * v).sum(), (x, w, b), create_graph=True)
+
+    assert gradgradcheck(first, (x, w, b))
+
+
+# --- against PyTorch's unfused sequence ---------------------------------------------------------
+
+VARIANTS = {"float64": (torch.float64, torch.float64), "float32": (torch.float32, torch.float32),
+            "bfloat16-p32": (torch.bfloat16, torch.float32)}
+
+
+def _pair(cls, torch_cls, dtype, seed=0):
+    ours, theirs = cls(4, dtype=dtype), torch_cls(4, dtype=dtype)
+    with torch.no_grad():
+        for m in (ours, theirs):
+            m.weight.copy_(_t(4, dtype, seed) + 0.5)
+            m.bias.copy_(_t(4, dtype, seed + 1))
+            m.running_mean.copy_(_t(4, dtype, seed + 2) * 0.3)
+            m.running_var.copy_(_t(4, dtype, seed + 3).abs() + 0.5)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("layout", ["contig", "chlast"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("with_side", [True, False], ids=["add-relu", "relu"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_modules_match_torch_sequence(variant, with_side, train, layout, path):
+    dtype, pdtype = VARIANTS[variant]
+    cls = bt.BatchNormAddReLU2d if with_side else bt.BatchNormReLU2d
+    ours, theirs = _pair(cls, nn.BatchNorm2d, pdtype)
+    ours.train(train)
+    theirs.train(train)
+    x = _t((3, 4, 5, 6), dtype, 10)
+    z = _t((3, 4, 5, 6), dtype, 11)
+    dy = _t((3, 4, 5, 6), dtype, 12)
+    if layout == "chlast":
+        x, dy = _chlast(x), _chlast(dy)
+    results = []
+    for model in (ours, theirs):
+        xi, zi = x.clone().requires_grad_(), z.clone().requires_grad_()
+        if model is ours:
+            y = ours(xi, zi) if with_side else ours(xi)
+        else:
+            y = F.relu(theirs(xi) + zi) if with_side else F.relu(theirs(xi))
+        y.backward(dy)
+        results.append(dict(y=y, x=xi.grad, z=zi.grad, w=model.weight.grad, b=model.bias.grad,
+                            rm=model.running_mean, rv=model.running_var,
+                            n=model.num_batches_tracked))
+    a, e = results
+    assert a["y"].dtype == dtype and a["x"].dtype == dtype
+    assert a["y"].stride() == e["y"].stride()
+    for key in ("y", "x", "w", "b", "rm", "rv") + (("z",) if with_side else ()):
+        # both sides are approximate: twice the tolerance of the result's dtype; half results
+        # are judged norm-wise (the ReLU may differ where y rounds to the other side of 0)
+        assert_close(from_torch(a[key]), from_torch(e[key]), what=key, factor=2)
+    if not with_side:
+        assert a["z"] is None
+    assert int(a["n"]) == int(e["n"]) == (1 if train else 0)
+
+
+@pytest.mark.parametrize("ndim,cls,torch_cls", [
+    (2, bt.BatchNormReLU1d, nn.BatchNorm1d), (3, bt.BatchNormReLU1d, nn.BatchNorm1d),
+    (5, bt.BatchNormReLU3d, nn.BatchNorm3d), (3, bt.BatchNormAddReLU1d, nn.BatchNorm1d),
+    (5, bt.BatchNormAddReLU3d, nn.BatchNorm3d)])
+def test_1d_and_3d(ndim, cls, torch_cls):
+    ours, theirs = _pair(cls, torch_cls, torch.float64)
+    shape = (5, 4, 3, 2, 3)[:ndim]
+    x, z = _t(shape, seed=1).requires_grad_(), _t(shape, seed=2)
+    add = "Add" in cls.__name__
+    y = ours(x, z) if add else ours(x)
+    expected = F.relu(theirs(x) + z) if add else F.relu(theirs(x))
+    assert_close(y.detach().numpy(), expected.detach().numpy(), what="output")
+    bad = _t((2, 4, 3) if ndim == 5 else (2, 4, 3, 3))   # PyTorch's input-dimension check
+    with pytest.raises(ValueError, match="expected .*D input"):
+        ours(bad, bad) if add else ours(bad)
+
+
+def test_modules_have_batch_norm_state():
+    plain = nn.BatchNorm2d(4)
+    with torch.no_grad():
+        plain.running_mean.add_(1.5)
+        plain.weight.mul_(2)
+    for cls in (bt.BatchNormReLU2d, bt.BatchNormAddReLU2d):
+        fused = cls(4)
+        assert list(fused.state_dict()) == list(plain.state_dict())
+        fused.load_state_dict(plain.state_dict())
+        assert torch.equal(fused.running_mean, plain.running_mean)
+        assert not isinstance(fused, nn.BatchNorm2d)   # it is not one: it also applies a ReLU
+        assert repr(fused).startswith(f"bngrad.torch.{cls.__name__}(4, eps=1e-05")
+
+
+def test_autograd_keeps_input_and_one_bit_mask_not_the_output(path):
+    """What stays alive for the backward: x and weights as tensors, plus (eager) the 1-bit
+    mask and the statistics as NumPy arrays, or (op) the mask as a uint8 tensor."""
+    x = _t((4, 8, 6, 6), torch.float32).requires_grad_()
+    z = _t((4, 8, 6, 6), torch.float32, 1).requires_grad_()
+    w, b = torch.ones(8, requires_grad=True), torch.zeros(8, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = bt.batch_norm_add_relu(x, z, None, None, w, b, True)
+    big = [t for t in saved if t.numel() >= x.numel()]
+    assert len(big) == 1 and big[0].data_ptr() == x.data_ptr()
+    masks = [t for t in saved if t.dtype == torch.uint8]
+    assert sum(t.numel() for t in masks) <= x.numel() // 8
+    y.sum().backward()
+    assert x.grad is not None and z.grad is not None
+
+
+def test_compile_and_export_trace_the_ops():
+    m = bt.BatchNormAddReLU2d(4)
+    x, z = _t((2, 4, 3, 3), torch.float32).requires_grad_(), _t((2, 4, 3, 3), torch.float32, 1)
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    y = compiled(x, z)
+    y.sum().backward()
+    m2 = bt.BatchNormAddReLU2d(4)
+    expected = m2(x.detach(), z)
+    assert_close(y.detach().numpy(), expected.detach().numpy(), what="compiled output")
+    assert torch.equal(m.running_mean, m2.running_mean)
+    exported = torch.export.export(bt.BatchNormReLU2d(4).eval(), (x.detach(),))
+    assert "bngrad.batch_norm_relu_forward" in str(exported.graph)
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_differentiable_backward_gives_the_same_first_derivatives(train, path):
+    """With create_graph=True the backward is another graph (gradgradcheck differentiates it,
+    but cannot see whether it starts from the right first derivative): compare with PyTorch."""
+    x = _t((3, 2, 4), seed=1).requires_grad_()
+    w, b = (_t(2, seed=2) + 0.8).requires_grad_(), _t(2, seed=3).requires_grad_()
+    z = _t((3, 2, 4), seed=4).requires_grad_()
+    rm, rv = _t(2, seed=5), _t(2, seed=6).abs() + 0.5
+    v = _t((3, 2, 4), seed=7)
+    y = bt.batch_norm_add_relu(x, z, rm.clone(), rv.clone(), w, b, train)
+    ours = torch.autograd.grad((y * v).sum(), (x, w, b, z), create_graph=True)
+    y2 = F.relu(F.batch_norm(x, rm.clone(), rv.clone(), w, b, train) + z)
+    theirs = torch.autograd.grad((y2 * v).sum(), (x, w, b, z))
+    assert (y2 <= 0).any() and (y2 > 0).any()
+    for name, a, e in zip("xwbz", ours, theirs):
+        assert_close(a.detach().numpy(), e.numpy(), what=f"grad {name}", factor=2)
