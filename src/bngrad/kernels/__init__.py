@@ -18,11 +18,12 @@ import numpy as np
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
-from ._plan import PATHS, Config, KernelPlan, LanePiece, config, forced_path, override, plan
+from ._plan import PATHS, Config, KernelPlan, LanePiece, forced_path, override, plan
 
-__all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PROJ", "SCALE", "PATHS", "Config", "KernelPlan", "as_kernel_array", "backward_train",
-           "compute_dtype", "config", "copy_rows", "elementwise", "forced_path", "forward_train",
-           "override", "plan", "reduce", "train_coefficients", "transpose_last_two"]
+__all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
+           "as_kernel_array", "backward_train", "compute_dtype", "copy_rows", "elementwise",
+           "forced_path", "forward_train", "override", "plan", "reduce", "train_coefficients",
+           "transpose_last_two"]
 
 # Who runs the work items: the launchers at the end of kernels.batchnorm (prange), the one
 # seam to swap (see there).
@@ -38,17 +39,10 @@ _scratch = threading.local()
 
 @contextlib.contextmanager
 def _partial_sums(shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-    """A float64 array for a reduction's partial sums, reused by this thread's next calls.
-
-    The kernels overwrite every element. A fresh one per call can come from the allocator as
-    new pages (mmap) and cost page faults every time: 13 faults per (65536, 64) float32
-    backward alternating with another large allocation, 0.7 with this buffer; (256, 4096)
-    backward 0.43 -> 0.40 ms.
-
-    The buffer is checked out while in use: a call nested on the same thread (from a signal
-    handler or a finaliser, which run between the outer call's kernels) finds none and gets
-    a fresh array instead of overwriting the outer call's partial sums.
-    """
+    """A float64 array for a reduction's partial sums (the kernels overwrite every element),
+    reused by this thread's next calls: fresh pages cost a page fault each (docs/internals.md).
+    Checked out while in use, so that a call nested on this thread (a signal handler or
+    finaliser between the outer call's kernels) gets a fresh array instead of this one."""
     n = math.prod(shape)
     buffer = getattr(_scratch, "partial", None)
     _scratch.partial = None
@@ -106,14 +100,14 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
         for piece in plan.reduce_pieces:
             px, pdy = _piece_view(x, piece), _piece_view(dy, piece)
             M, L = px.shape
-            lane_sums = np.empty(L), np.empty(L)
             with _partial_sums((_ceil_div(M, piece.rows), 2, L)) as partial:
                 launch.reduce_lanes(partial.shape[0] * _ceil_div(L, piece.cols), px, pdy, None,
                                     _spread(mean, piece), _spread(shift, piece), piece.rows,
                                     piece.cols, partial)
-                k.combine_lanes(partial, *lane_sums)
-            for total, part in zip(sums, lane_sums):
-                _add_lanes(total, part, piece)
+                for i, total in enumerate(sums):  # blocks, then lanes, in a fixed order
+                    lane_sums = np.zeros(L)
+                    k.add_lanes(lane_sums, partial[:, i])
+                    _add_lanes(total, lane_sums, piece)
         return sums
     A, _, B = x.shape
     with _partial_sums((plan.blocks, plan.segments, C, 2)) as partial:
@@ -142,31 +136,23 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
     grad_input; dy only, the eval grad_input; x only, the forward output."""
     if plan.path == "lanes":
         for piece in plan.elemt_pieces:
-            px, pdy, pout = (None if a is None else _piece_view(a, piece) for a in (x, dy, out))
+            px, pdy = (None if a is None else _piece_view(a, piece) for a in (x, dy))
+            pout = _piece_view(out, piece)
             M, L = pout.shape
             launch.elementwise_lanes(_ceil_div(M, piece.rows) * _ceil_div(L, piece.cols), px,
                                      pdy, None, pout, _spread(coef, piece), piece.rows,
                                      piece.cols)
-    elif plan.path == "short":
+    else:  # short: groups of whole runs; runs, fused: run segments
         A, C, B = out.shape
-        launch.elementwise_short(A * _ceil_div(C, plan.group), x, dy, None, out, coef,
-                                 plan.group)
-    else:
-        A, C, B = out.shape
-        launch.elementwise_runs(A * C * _ceil_div(B, plan.seg), x, dy, None, out, coef,
-                                plan.seg)
+        group, seg = (plan.group, B) if plan.path == "short" else (1, plan.seg)
+        launch.elementwise_runs(A * _ceil_div(C, group) * _ceil_div(B, seg), x, dy, None, out,
+                                coef, group, seg)
 
 
 def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype):
-    """Training forward of float64 data in one pass where the plan fuses: writes ``out`` and
-    returns (mean, biased var) in float64, the same bits as bngrad.api's corrected two-pass
-    moments followed by ``normalize``; returns None where it does not fuse (nothing done).
-
-    Only float64 data fuse: their moments read the data twice, and fusing saves two of three
-    passes ((32, 256, 28, 28): 8.2 -> 5.2 ms). With one-pass moments (other dtypes) fusing saves
-    one pass but writes the output channel by channel, and fresh output pages then cost more
-    than the pass saved ((32, 256, 56, 56) float32 with a new output: 11.6 -> 12.9 ms).
-    """
+    """Training forward in one pass where the plan fuses and the data are float64 (whose
+    two-pass moments it saves two of three passes; docs/internals.md): writes ``out``, returns
+    (mean, biased var) in float64, the bits of bngrad.api's moments then normalize. Else None."""
     if x.dtype != np.float64 or plan.path != "fused":
         return None
     C = x.shape[1]

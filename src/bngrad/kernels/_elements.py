@@ -1,16 +1,13 @@
 """Element access for every supported dtype, converted inside the kernels.
 
-Numba has no half-precision type on the CPU, but LLVM does. We therefore hand float16 data to
-the kernels as its int16 bits and bfloat16 data as its uint16 bits (see ``as_kernel_array``):
-the element type then selects the conversion at compile time.
+Numba has no half-precision type on the CPU, but LLVM does: the kernels see float16 data as
+its int16 bits and bfloat16 as its uint16 bits (``as_kernel_array``; bngrad._dtypes), and the
+element type selects the conversion at compile time. float16: bitcast to LLVM ``half`` and
+``fpext``/``fptrunc`` (round to nearest even; the CPU's vector conversions). bfloat16: the top
+half of a float32; widening is a shift, narrowing rounds to nearest even, NaNs kept quiet.
 
-- float16: bitcast the bits to LLVM ``half`` and ``fpext``/``fptrunc`` (round-to-nearest-even),
-  which compile to the CPU's vector conversion instructions (F16C / AVX-512).
-- bfloat16: the top half of a float32; widening is a shift, narrowing rounds to nearest even
-  and keeps NaNs quiet.
-
-``to_float(v)`` gives the compute type: float64 for float64 data, float32 for everything else.
-``from_float(value, out)`` converts a computed value to ``out``'s element type.
+``to_float(v)``: the compute type (float64 for float64, float32 otherwise);
+``from_float(value, out)``: a computed value in ``out``'s element type.
 """
 
 from __future__ import annotations

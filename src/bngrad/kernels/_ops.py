@@ -1,28 +1,20 @@
-"""The per-element maths of batch norm, each formula written once.
+"""The per-element maths of batch norm, each formula written once (docs/internals.md).
 
-Every layout's loop (kernels.batchnorm) calls these, inlined (``@overload`` and
-``inline="always"``): the loops compile as if the formula were written in place, with the
-caller's fastmath flags, and Numba's disk cache keeps working, which it does not for functions
-passed as arguments or made by closure factories. Variants are compile-time specialisations:
-an operand that is ``None`` selects a formula when the kernel is compiled, never at run time.
+The loops of kernels.batchnorm inline these (``@overload``, ``inline="always"``): they compile
+as if written in place, with the caller's fastmath flags, and stay in Numba's disk cache (which
+functions passed as arguments or made by closure factories do not). An operand that is None
+selects a formula when the kernel is compiled, never at run time:
 
-- ``accumulate``: the terms of the backward sums, ``dy'`` and ``dy'*(x - mean)`` with
-  ``dy' = dy - shift``, in float64;
-- ``elementwise``: x and dy: the training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ) *
-  SCALE``; dy only: the eval grad_input ``dy*SCALE``; x only: the forward
-  ``(x - MEAN)*SCALE + BIAS``.
+- ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64;
+- ``elementwise``: x and dy: training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ)*SCALE``;
+  dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``;
+- ``grad``: the incoming gradient; ``y`` (the forward output, None today) is where fused
+  activations (issue 13) add ``dy * (y > 0)``.
 
-``y``, the forward output, is the side input of fused activations (issue 13) and None today:
-a ReLU backward adds a ``grad`` case returning ``dy * (y > 0)``.
-
-Coefficient rows (``coef[ROW, c]``, compute dtype): ``SCALE = invstd*weight``,
-``GRAD_MEAN = sum_dy/count``, ``PROJ = sum_dy_xmu/count*invstd**2``, ``MEAN``; the forward's
-``BIAS`` shares GRAD_MEAN's row. The backward subtracts the mean gradient from dy before
-scaling, and ``(x - MEAN)*PROJ`` by one fused multiply-add, as PyTorch's CPU kernel does (its
-compiler contracts it): where grad_input cancels (a channel of one or two elements) it then
-cancels exactly instead of leaving the rounding errors of separately scaled terms (one
-element: exactly 0). Keeping ``x - mean`` explicit avoids the cancellation of
-``a*dy + b*x + c`` when |mean| >> std.
+``(x - MEAN)*PROJ`` is subtracted by one fused multiply-add, after the mean gradient, as
+PyTorch's CPU kernel does (its compiler contracts it): where grad_input cancels (a channel of
+one or two elements) it cancels exactly (one element: exactly 0). Keeping ``x - mean``
+explicit avoids the cancellation of ``a*dy + b*x + c`` when |mean| >> std.
 """
 
 from __future__ import annotations
@@ -35,6 +27,9 @@ from numba.extending import intrinsic, overload
 
 from ._elements import to_float
 
+# Rows of ``coef`` (per channel, compute dtype): SCALE = invstd*weight, PROJ =
+# sum_dy_xmu/count*invstd**2, GRAD_MEAN = sum_dy/count, MEAN; the forward's BIAS uses
+# GRAD_MEAN's row.
 SCALE, PROJ, GRAD_MEAN, MEAN = 0, 1, 2, 3
 BIAS = GRAD_MEAN
 
@@ -95,7 +90,5 @@ def _elementwise(x, dy, y, scale, proj, shift, mean):
         return lambda x, dy, y, scale, proj, shift, mean: (to_float(x) - mean) * scale + shift
     if isinstance(x, types.NoneType):
         return lambda x, dy, y, scale, proj, shift, mean: scale * grad(dy, y)
-    # The product is subtracted without rounding it first: where the terms cancel, its
-    # rounding error would be all that is left.
     return lambda x, dy, y, scale, proj, shift, mean: (
         _fma(mean - to_float(x), proj, grad(dy, y) - shift) * scale)

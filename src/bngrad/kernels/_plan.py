@@ -1,23 +1,18 @@
-"""The kernel plan: which path and which tiles serve a canonical array, decided once per call.
+"""The kernel plan: the path and tiles for a canonical array, decided once per call.
 
-:func:`plan` maps a canonical kernel array's shape (channels-first ``(A, C, B)`` or
-channels-last ``(M, C)``, see bngrad._layout) and the thread count to a frozen, cached
-:class:`KernelPlan` naming the path (docs/internals.md has the map, with examples):
+:func:`plan` maps a canonical array's shape (bngrad._layout) and the thread count to a frozen,
+cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with examples):
 
 - ``lanes``: 2-D rows, and channels-first runs shorter than ``short_run`` viewed as rows of
-  ``C*B`` lanes, each lane of one channel. Narrow channels-last rows are folded, ``k`` rows
-  into one (a view; the ``M % k`` leftover rows are a second piece), to ``fold_lanes`` lanes
-  for reductions and ``elemt_lanes`` for elementwise passes. Each lane's sums are added into
-  its channel in lane order;
-- ``short``: runs of ``short_run..fused_min_run``, a task per group of whole channels;
-- ``runs``: longer runs, a task per tile (reductions) or run segment (elementwise);
-- ``fused``: as ``runs``, but the training backward (and float64's training forward) reduces
-  each channel and writes it while it is in cache, when there are enough channels to keep
-  every thread busy (``C >= fused_channels_per_thread * threads``).
+  ``C*B`` lanes. Narrow channels-last rows are folded (``k`` rows into one, a view; the
+  ``M % k`` leftover rows are a second piece). Lane sums go to their channel in lane order;
+- ``short``: runs of ``short_run..fused_min_run``, an item per group of whole channels;
+- ``runs``: longer runs, an item per tile (reductions) or run segment (elementwise);
+- ``fused``: as ``runs``, but the training backward (and float64's forward) reduces a channel
+  and writes it while it is in cache, if ``C >= fused_channels_per_thread * threads``.
 
-``fused`` and ``runs`` use the same tiles in the same order (kernels.batchnorm's
-``_channel_sums``), so the one choice that depends on the thread count gives the same bits
-either way (tests/test_paths.py checks it). Every other choice depends on the shape only.
+``fused`` and ``runs`` share tiles and order (kernels.batchnorm), so the one choice that depends
+on the thread count gives the same bits (tests/test_paths.py); all others depend on the shape.
 """
 
 from __future__ import annotations
@@ -57,17 +52,11 @@ _config = Config()
 _forced: Optional[str] = None
 
 
-def config() -> Config:
-    """The tuning constants in force."""
-    return _config
-
-
 @contextlib.contextmanager
 def override(**values: int) -> Iterator[Config]:
     """Tests: run the enclosed calls with some tuning constants changed (not thread-safe)."""
     global _config
-    previous = _config
-    _config = dataclasses.replace(_config, **values)
+    previous, _config = _config, dataclasses.replace(_config, **values)
     try:
         yield _config
     finally:
@@ -76,15 +65,12 @@ def override(**values: int) -> Iterator[Config]:
 
 @contextlib.contextmanager
 def forced_path(path: str) -> Iterator[None]:
-    """Tests: make every channels-first call take ``path`` (one of PATHS; not thread-safe).
-
-    2-D (channels-last) arrays can only take ``lanes`` and raise ValueError for any other.
-    """
+    """Tests: make every call take ``path`` (not thread-safe). Only ``lanes`` serves 2-D
+    arrays: any other raises ValueError for them."""
     global _forced
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; expected one of {PATHS}")
-    previous = _forced
-    _forced = path
+    previous, _forced = _forced, path
     try:
         yield
     finally:
@@ -97,12 +83,9 @@ def _ceil_div(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class LanePiece:
-    """Rows ``start:stop`` of a 2-D array, seen as rows of ``lanes`` lanes.
-
-    ``spread`` says how lanes map to channels: lane ``c*times + b`` ("repeat": a channel's run
-    is contiguous), lane ``i*C + c`` ("tile": ``times`` rows folded into one), or lane ==
-    channel (None). Tiles: ``rows`` per block, ``cols`` lanes per column group.
-    """
+    """Rows ``start:stop`` of a 2-D array seen as rows of ``lanes`` lanes: lane ``c*times + b``
+    (``spread`` "repeat": runs as lanes), lane ``i*C + c`` ("tile": ``times`` rows folded into
+    one) or lane == channel (None); tiles of ``rows`` rows x ``cols`` lanes."""
 
     start: int
     stop: int
@@ -121,13 +104,9 @@ class LanePiece:
 
 @dataclass(frozen=True)
 class KernelPlan:
-    """How one canonical array is processed: the path and its tiles.
-
-    Channels-first paths: reductions are cut into tiles of ``rows`` rows x ``seg`` elements
-    of one run; ``short`` tasks take ``group`` whole channels; elementwise ``runs`` tasks take
-    one ``seg`` segment. ``lanes``: ``reduce_pieces`` and ``elemt_pieces`` (folded for each
-    pass as the module docstring says).
-    """
+    """The path and tiles for one canonical array shape. Channels-first: reduction tiles of
+    ``rows`` rows x ``seg`` elements of a run (elementwise ``runs`` items: one segment),
+    ``short`` items of ``group`` channels. ``lanes``: the pieces of each pass."""
 
     path: str
     shape: tuple[int, ...]
@@ -141,12 +120,10 @@ class KernelPlan:
 
     @property
     def blocks(self) -> int:
-        """Row blocks of a channels-first reduction."""
         return _ceil_div(self.shape[0], self.rows)
 
     @property
     def segments(self) -> int:
-        """Tiles along one run of a channels-first reduction (1 for ``short``)."""
         return 1 if self.path == "short" else _ceil_div(self.shape[2], self.seg)
 
     def __repr__(self) -> str:
@@ -163,8 +140,8 @@ class KernelPlan:
 
 
 def _reduce_tiles(cfg: Config, M: int, L: int) -> tuple[int, int]:
-    """(rows per block, lanes per group) of a lane reduction tile: at least TILE elements and
-    MIN_BLOCK_ROWS rows, at most MAX_ROW_BLOCKS blocks and PARTIAL_BYTES of partial sums."""
+    """(rows per block, lanes per group) of a lane reduction: at least ``tile`` elements and
+    ``min_block_rows`` rows, at most ``max_row_blocks`` blocks and ``partial_bytes``."""
     cols = min(L, cfg.column_group)
     blocks = max(1, min(cfg.max_row_blocks, cfg.partial_bytes // (16 * max(L, 1)),
                         M * cols // cfg.tile, M // cfg.min_block_rows))
@@ -202,25 +179,17 @@ def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bo
 @functools.lru_cache(maxsize=256)
 def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[str]
           ) -> KernelPlan:
+    if forced not in (None, "lanes") and len(shape) == 2:
+        raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
     if len(shape) == 2 or forced == "lanes" or (forced is None and shape[2] < cfg.short_run):
-        if forced not in (None, "lanes") and len(shape) == 2:
-            raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
         return KernelPlan("lanes", shape, threads, forced is not None,
                           reduce_pieces=_lane_pieces(cfg, shape, cfg.fold_lanes, True),
                           elemt_pieces=_lane_pieces(cfg, shape, cfg.elemt_lanes, False))
     A, C, B = shape
-    if B >= cfg.tile:
-        rows, seg = 1, cfg.tile
-    else:
-        rows, seg = max(1, cfg.tile // max(B, 1)), B
-    path = forced
-    if path is None:
-        if B < cfg.fused_min_run:
-            path = "short"
-        else:
-            fuses = C >= cfg.fused_channels_per_thread * threads
-            path = "fused" if fuses else "runs"
-    return KernelPlan(path, shape, threads, forced is not None, rows=rows, seg=max(seg, 1),
+    rows, seg = (1, cfg.tile) if B >= cfg.tile else (max(1, cfg.tile // max(B, 1)), max(B, 1))
+    path = forced or ("short" if B < cfg.fused_min_run
+                      else "fused" if C >= cfg.fused_channels_per_thread * threads else "runs")
+    return KernelPlan(path, shape, threads, forced is not None, rows=rows, seg=seg,
                       group=_ceil_div(cfg.short_group_lanes, max(B, 1)))
 
 

@@ -1,23 +1,16 @@
-"""Numba kernels: the loop skeletons of every layout and their work items, as pure functions.
+"""Numba kernels: each layout's loops, the parallel kernels' work items, their launchers.
 
-Two canonical layouts (see bngrad._layout):
-- channels-first ``(A, C, B)``, C-contiguous: channel c of row a is the run ``x[a, c, :]``;
-- channels-last ``(M, C)``, C-contiguous: every row holds one element of each channel.
+Canonical layouts (bngrad._layout): channels-first ``(A, C, B)``, channel c of row a the run
+``x[a, c, :]``, and channels-last ``(M, C)``, both C-contiguous. A parallel kernel is a loop
+over independent items (tiles, run segments, channel groups, channels); ``<kernel>_item`` is
+one item's work and writes only its own outputs, so whoever runs the items (the launchers at
+the end) cannot change the result. The per-element maths is kernels._ops'.
 
-Each parallel kernel is a loop over independent work items (tiles, run segments, channel
-groups, channels); ``<kernel>_item(item, ...)`` is one item's work, writes only that item's
-outputs and reads nothing another item writes, so whoever runs the items (the launchers at the
-end) cannot change the result. The per-element maths is in kernels._ops, written once; the
-loops here only walk the layouts.
-
-Determinism: every reduction is cut into tiles whose bounds depend on the data's shape only
-(never on the thread count), each tile is summed in a fixed order, and the tile sums are added
-in a fixed order. The fused and the two-phase channels-first paths share ``_tile_sums`` and
-``_channel_sums``, so they use the same tiles in the same order and give the same bits.
-
-Sums are float64 for every dtype. Elementwise arithmetic runs in ``coef``'s dtype: float64 for
-float64 data, float32 otherwise (rows named in kernels._ops). ``y`` (None today) is the side
-input of fused activations (kernels._ops).
+Determinism: reduction tiles have bounds that depend on the shape only, each is summed in a
+fixed order, and the tile sums are added in a fixed order; the fused and two-phase paths share
+``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64; elementwise
+arithmetic runs in ``coef``'s dtype (float64 for float64 data, float32 otherwise). ``y`` is
+the side input of fused activations (kernels._ops), None today.
 """
 
 from __future__ import annotations
@@ -37,16 +30,14 @@ _JIT: dict[str, Any] = dict(cache=True, nogil=True)
 # ---------------------------------------------------------------------------------------------
 # the loops every path shares: sums over a run or rows of lanes, an elementwise pass
 
-# Reassociation lets LLVM vectorise this reduction (4x faster than a fixed-lane scalar loop).
-# The vector order is fixed in the compiled code and the runs are fixed by the data, so the
-# result still does not depend on the thread count.
+# Reassociation lets LLVM vectorise this reduction (4x faster than a fixed-lane scalar loop);
+# the vector order is fixed in the compiled code, so the result still does not depend on the
+# thread count. Slicing first gives LLVM indices from 0, so it vectorises.
 @njit(fastmath={"reassoc"}, **_JIT)
 def _run_sums(xr, dr, yr, m, shift, b0, b1):
     """(sum dy', sum dy'*(x - m)) over xr[b0:b1], dr[b0:b1], in float64."""
-    # Slicing first gives LLVM indices that start at 0 and are non-negative, so it vectorises.
     xr, dr, yr = xr[b0:b1], dr[b0:b1], take(yr, slice(b0, b1))
-    sum_dy = 0.0
-    sum_dy_xmu = 0.0
+    sum_dy = sum_dy_xmu = 0.0
     for i in range(dr.shape[0]):
         p, q = accumulate(dr[i], xr[i], take(yr, i), m, shift)
         sum_dy += p
@@ -94,10 +85,8 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
 
 @njit(**_JIT)
 def _map(x, dy, y, out, scale, proj, shift, mean):
-    """out = elementwise(x, dy, y) over 1-D slices (None: not an operand). Coefficients are
-    one channel's scalars (a run) or per-lane vectors (a row of lanes)."""
-    # Callers slice (a run segment, a tile's lanes), so that indices start at 0 and LLVM
-    # vectorises.
+    """out = elementwise(x, dy, y) over 1-D slices that start at 0, so that LLVM vectorises
+    (None: not an operand). Coefficients: one channel's scalars or per-lane vectors."""
     for i in range(out.shape[0]):
         out[i] = from_float(elementwise(take(x, i), take(dy, i), take(y, i), take(scale, i),
                                         take(proj, i), take(shift, i), take(mean, i)), out)
@@ -129,8 +118,7 @@ def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef):
 def _tile_sums(x, dy, y, m, shift, c, j, s, rows, seg):
     """(sum dy', sum dy'*(x - m)) of tile (j, s) of channel c: rows block j, run segment s."""
     A, _, B = x.shape
-    sd = 0.0
-    sx = 0.0
+    sd = sx = 0.0
     for a in range(j * rows, min(A, j * rows + rows)):
         p, q = _run_sums(x[a, c], dy[a, c], take(y, (a, c)), m, shift, s * seg,
                          min(B, s * seg + seg))
@@ -157,8 +145,7 @@ def _tile_impl(x, dy, y, m, shift, c, j, s, rows, seg, partial):
 @njit(**_JIT)
 def _channel_sums(x, dy, y, m, shift, c, rows, seg, n_blocks, n_segs, partial):
     """Channel c's sums: its tiles' sums added in one fixed order, whichever path runs."""
-    sd = 0.0
-    sx = 0.0
+    sd = sx = 0.0
     for j in range(n_blocks):
         for s in range(n_segs):
             p, q = _tile(x, dy, y, m, shift, c, j, s, rows, seg, partial)
@@ -192,8 +179,7 @@ def backward_fused_item(c, x, dy, y, out, mean, invstd, weight, count, rows, seg
     m = mean[c]
     sd, sx = _channel_sums(x, dy, y, m, 0.0, c, rows, seg, (A + rows - 1) // rows,
                            (B + seg - 1) // seg, None)
-    sum_dy[c] = sd
-    sum_dy_xmu[c] = sx
+    sum_dy[c], sum_dy_xmu[c] = sd, sx
     _train_coefficients(sd, sx, invstd[c], weight[c], count, m, coef, c)
     for r in range(A):
         _map(x[r, c], dy[r, c], take(y, (r, c)), out[r, c], coef[SCALE, c], coef[PROJ, c],
@@ -212,11 +198,8 @@ def forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var
     sd, sx = _channel_sums(x, x, None, s, s, c, rows, seg, n_blocks, n_segs, None)
     m = s + sd / count
     v = sx - sd * sd / count
-    if v < 0.0:  # not max(): a NaN must stay NaN, as with np.maximum
-        v = 0.0
-    v = v / count
-    mean[c] = m
-    var[c] = v
+    v = (0.0 if v < 0.0 else v) / count  # not max(): a NaN must stay NaN, as np.maximum's
+    mean[c], var[c] = m, v
     coef[SCALE, c] = 1.0 / np.sqrt(v + eps) * weight[c]
     coef[BIAS, c] = bias[c]
     coef[MEAN, c] = m
@@ -225,15 +208,18 @@ def forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var
 
 
 @njit(**_JIT)
-def elementwise_runs_item(item, x, dy, y, out, coef, seg):
-    """The item-th segment of the runs: out = elementwise(x, dy, y) (see kernels._ops)."""
+def elementwise_runs_item(item, x, dy, y, out, coef, group, seg):
+    """Item (row a, group of channels, run segment): out = elementwise(x, dy, y) on that
+    segment of each channel's run. ``runs``: one channel, segments of ``seg``; ``short``: a
+    group of whole runs, so that short runs cost no index arithmetic each."""
     A, C, B = out.shape
-    n_segs = (B + seg - 1) // seg
-    r = item // n_segs
-    a, c, b0 = r // C, r % C, (item % n_segs) * seg
-    run = (a, c, slice(b0, min(B, b0 + seg)))
-    _map(take(x, run), take(dy, run), take(y, run), out[run], coef[SCALE, c], coef[PROJ, c],
-         coef[GRAD_MEAN, c], coef[MEAN, c])
+    n_groups, n_segs = (C + group - 1) // group, (B + seg - 1) // seg
+    r, b0 = item // n_segs, (item % n_segs) * seg
+    a, g = r // n_groups, r % n_groups
+    for c in range(g * group, min(C, g * group + group)):
+        run = (a, c, slice(b0, min(B, b0 + seg)))
+        _map(take(x, run), take(dy, run), take(y, run), out[run], coef[SCALE, c], coef[PROJ, c],
+             coef[GRAD_MEAN, c], coef[MEAN, c])
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 or 14x14 maps; see kernels._plan): one run at a time
@@ -252,37 +238,21 @@ def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
     A, C = x2.shape[0], x2.shape[1] // B
     n_groups = (C + group - 1) // group
     j, g = item // n_groups, item % n_groups
-    c0 = g * group
-    c1 = min(C, c0 + group)
+    c0, c1 = g * group, min(C, g * group + group)
     n = (c1 - c0) * B
-    m = np.empty(n)
-    s = np.empty(n)
+    m, s = np.empty(n), np.empty(n)
     for c in range(c0, c1):
         m[(c - c0) * B:(c - c0 + 1) * B] = mean[c]
         s[(c - c0) * B:(c - c0 + 1) * B] = shift[c]
-    psd = np.zeros(n)
-    psx = np.zeros(n)
+    psd, psx = np.zeros(n), np.zeros(n)
     _accumulate_rows(x2, d2, y2, j * rows, min(A, j * rows + rows), c0 * B, c1 * B, m, s,
                      psd, psx)
     for c in range(c0, c1):
-        sd = 0.0
-        sx = 0.0
+        sd = sx = 0.0
         for i in range((c - c0) * B, (c - c0 + 1) * B):
             sd += psd[i]
             sx += psx[i]
-        partial[j, 0, c, 0] = sd
-        partial[j, 0, c, 1] = sx
-
-
-@njit(**_JIT)
-def elementwise_short_item(item, x, dy, y, out, coef, group):
-    """One item per (row, group of channels): no index arithmetic per run."""
-    A, C, B = out.shape
-    n_groups = (C + group - 1) // group
-    a, g = item // n_groups, item % n_groups
-    for c in range(g * group, min(C, g * group + group)):
-        _map(take(x, (a, c)), take(dy, (a, c)), take(y, (a, c)), out[a, c], coef[SCALE, c],
-             coef[PROJ, c], coef[GRAD_MEAN, c], coef[MEAN, c])
+        partial[j, 0, c, 0], partial[j, 0, c, 1] = sd, sx
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,8 +262,7 @@ def elementwise_short_item(item, x, dy, y, out, coef, group):
 def _tile_of(item, M, L, rows, cols):
     """(j, r0, r1, c0, c1): the item-th tile, rows block j, of an (M, L) array."""
     n_groups = (L + cols - 1) // cols
-    g = item % n_groups
-    j = item // n_groups
+    j, g = item // n_groups, item % n_groups
     return j, j * rows, min(M, j * rows + rows), g * cols, min(L, g * cols + cols)
 
 
@@ -301,8 +270,7 @@ def _tile_of(item, M, L, rows, cols):
 def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
     """partial[j, 0/1, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over rows block j."""
     j, r0, r1, c0, c1 = _tile_of(item, x.shape[0], x.shape[1], rows, cols)
-    psd = partial[j, 0, c0:c1]
-    psx = partial[j, 1, c0:c1]
+    psd, psx = partial[j, 0, c0:c1], partial[j, 1, c0:c1]
     psd[:] = 0.0
     psx[:] = 0.0
     _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean[c0:c1], shift[c0:c1], psd, psx)
@@ -310,18 +278,6 @@ def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
 
 # Serial: the partial sums are at most a few MiB, and a parallel launch costs more (measured
 # 77 us for (32, 2, 4096)).
-@njit(**_JIT)
-def combine_lanes(partial, sum_dy, sum_dy_xmu):
-    sum_dy[:] = 0.0
-    sum_dy_xmu[:] = 0.0
-    for j in range(partial.shape[0]):  # blocks in a fixed order
-        pd = partial[j, 0]
-        px = partial[j, 1]
-        for c in range(sum_dy.shape[0]):
-            sum_dy[c] += pd[c]
-            sum_dy_xmu[c] += px[c]
-
-
 @njit(**_JIT)
 def add_lanes(total, per_lane):
     """total[c] += per_lane[i, c], for i = 0, 1, 2, ... in that order."""
@@ -400,15 +356,9 @@ def reduce_lanes(n, x, dy, y, mean, shift, rows, cols, partial):
 
 
 @njit(parallel=True, **_JIT)
-def elementwise_runs(n, x, dy, y, out, coef, seg):
+def elementwise_runs(n, x, dy, y, out, coef, group, seg):
     for item in prange(n):
-        elementwise_runs_item(item, x, dy, y, out, coef, seg)
-
-
-@njit(parallel=True, **_JIT)
-def elementwise_short(n, x, dy, y, out, coef, group):
-    for item in prange(n):
-        elementwise_short_item(item, x, dy, y, out, coef, group)
+        elementwise_runs_item(item, x, dy, y, out, coef, group, seg)
 
 
 @njit(parallel=True, **_JIT)
