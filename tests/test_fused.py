@@ -218,6 +218,15 @@ def test_nan_output_passes_the_gradient_as_threshold_backward():
                                          train=False, output=y)[3]
     np.testing.assert_array_equal(gz, expected.numpy())
     assert gz[0, 0] == 1.0 and gz[0, 1] == 0.0
+    # a NaN or infinite gradient where the ReLU blocks becomes 0, as in threshold_backward
+    dy[0, 1], dy[1, 1] = np.nan, np.inf
+    expected = torch.ops.aten.threshold_backward(torch.from_numpy(dy), torch.from_numpy(y), 0)
+    bits = np.packbits(~(y <= 0), axis=None, bitorder="little")
+    for given in ({"output": y}, {"relu_mask": bits}):
+        gz = bngrad.batch_norm_relu_backward(dy, x, None, np.zeros(2, F32), np.ones(2, F32),
+                                             train=False, **given)[3]
+        np.testing.assert_array_equal(gz, expected.numpy())
+        assert gz[0, 1] == 0 and gz[1, 1] == 0
 
 
 # --------------------------------------------------------------------------- out= and errors

@@ -275,13 +275,12 @@ def _fused_forward_impl(input: Array, weight: Any, bias: Any, running_mean: Any,
         np.add(output, side_input, out=output)
     relu_mask = None
     if activation == "relu":
-        with np.errstate(invalid="ignore"):  # NaN compared
-            blocked = output <= 0
-        output[blocked] = 0
-        if mask_format == "bits":
-            relu_mask = np.packbits(~blocked, axis=None, bitorder="little")
-        elif mask_format == "bytes":
-            relu_mask = np.ascontiguousarray(~blocked)
+        np.maximum(output, np.zeros((), output.dtype), out=output)  # NaN stays NaN
+        if mask_format is not None:
+            with np.errstate(invalid="ignore"):  # NaN compared
+                passes = output != 0  # after the ReLU: y > 0 or NaN, i.e. not y <= 0
+            relu_mask = (np.packbits(passes, axis=None, bitorder="little")
+                         if mask_format == "bits" else np.ascontiguousarray(passes))
     return output, save_mean, save_invstd, relu_mask
 
 
@@ -296,16 +295,23 @@ def _fused_backward_impl(grad_out: Array, input: Array, weight: Any, running_mea
     batch_norm_backward). Composition: g = grad_out masked (a new array in input's axis
     order), then batch norm's backward of g. With neither output nor relu_mask, g is
     grad_out (copied only when grad_side_input is asked for)."""
-    if output is None and relu_mask is None and not output_mask[3]:
+    passes: Optional[Array] = None
+    if relu_mask is not None:
+        passes = _passes(relu_mask, input.shape)
+    elif output is not None:
+        with np.errstate(invalid="ignore"):  # NaN compared
+            passes = np.logical_not(output <= 0)
+    if passes is None and not output_mask[3]:
         g = grad_out
     else:
         g = np.empty_like(input, order="K")
-        g[...] = grad_out
-        if output is not None:
-            with np.errstate(invalid="ignore"):  # NaN compared
-                g[output <= 0] = 0
-        elif relu_mask is not None:
-            g[~_passes(relu_mask, input.shape)] = 0
+        if passes is None:
+            np.copyto(g, grad_out)
+        else:
+            # g = grad_out where passes, +0 elsewhere (NaN and inf too, as threshold_backward):
+            # the bits times 0 or 1, which is exact and far faster than a masked copy
+            bits = np.dtype(f"u{g.itemsize}")
+            np.multiply(grad_out.view(bits), passes, out=g.view(bits))
     grad_input, grad_weight, grad_bias = batch_norm_backward(
         g, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps,
         output_mask[:3], channel_axis=channel_axis, num_threads=num_threads, out=out)
