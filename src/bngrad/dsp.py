@@ -272,7 +272,8 @@ def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
         grad_input, dscale, dbias = api.batch_norm_backward(
             wide["dy"], wide["x"], weight=wide["scale"], save_mean=wide["mean"],
             save_invstd=wide["invar"], train=True, num_threads=num_threads, out=wide["dy"])
-        assert dscale is not None and dbias is not None  # the default output_mask asks for both
+        # the default output_mask asks for all three
+        assert grad_input is not None and dscale is not None and dbias is not None
         np.copyto(dx, grad_input, casting="same_kind")
         return dscale, dbias
     # Eval: the core's eval mode takes running_var and derives invstd = 1/sqrt(var + eps); the
