@@ -1,9 +1,8 @@
-"""Kernel dispatch: runs a :class:`KernelPlan` (kernels._plan) on canonical kernel arrays.
+"""Kernel dispatch: runs a :class:`KernelPlan` on canonical kernel arrays.
 
 Layers, bottom up: ``_elements`` (dtype codecs), ``_ops`` (the per-element maths, once),
-``batchnorm`` (each layout's loops, the parallel kernels' work items and their launchers),
-``_plan`` (which path and tiles, and the tuning constants); this module executes a
-plan: it sizes the work, spreads per-channel values over lanes and combines partial sums.
+``batchnorm`` (loops, work items, launchers), ``_plan`` (path, tiles, tuning constants); this
+module sizes the work, spreads per-channel values over lanes and combines partial sums.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import numpy as np
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
-from ._plan import PATHS, Config, KernelPlan, LanePiece, forced_path, override, plan
+from ._plan import PATHS, Config, KernelPlan, LanePiece, _ceil_div, forced_path, override, plan
 
 __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
            "as_kernel_array", "backward_train", "compute_dtype", "copy_rows", "elementwise",
@@ -28,10 +27,6 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "Ker
 # Who runs the work items: the launchers at the end of kernels.batchnorm (prange), the one
 # seam to swap (see there).
 launch = k
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 _scratch = threading.local()
@@ -83,16 +78,10 @@ def _add_lanes(total: np.ndarray, lane_sums: np.ndarray, piece: LanePiece) -> No
                 else lane_sums.reshape(piece.times, C))
 
 
-# ---------------------------------------------------------------------------------------------
-# operations
-
 def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
            shift: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
-    """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (default 0).
-
-    With dy = x and shift = mean this gives sum(x - mean) and sum((x - mean)**2): the
-    second pass of the variance.
-    """
+    """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (default 0);
+    with dy = x and shift = mean, the second pass of the variance."""
     C = x.shape[1]
     shift = np.zeros(C) if shift is None else shift
     sums = (np.zeros(C), np.zeros(C))
@@ -164,10 +153,8 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype):
 
 
 def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dtype):
-    """Training-mode reduce + grad_input; returns (sum_dy, sum_dy_xmu) in float64.
-
-    Fused where the plan says so; otherwise reduce, then apply. Both give the same bits.
-    """
+    """Training reduce + grad_input, fused where the plan says so (same bits as reduce, then
+    elementwise); returns (sum_dy, sum_dy_xmu) in float64."""
     if plan.path == "fused":
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)

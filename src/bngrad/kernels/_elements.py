@@ -19,7 +19,6 @@ from numba.extending import intrinsic, overload
 
 from .. import _dtypes
 
-# dtype of the arrays the kernels see, per user dtype whose bits they see as another type
 _KERNEL_DTYPE = {s.numpy: s.kernel_view for s in _dtypes.DTYPES if s.kernel_view != s.numpy}
 
 
@@ -87,7 +86,6 @@ def from_float(value, out):
     raise NotImplementedError
 
 
-# Selected by element type when a kernel is compiled.
 @overload(to_float, inline="always")
 def _to_float(value):
     return {types.float64: lambda value: value,

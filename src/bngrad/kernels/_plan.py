@@ -32,8 +32,7 @@ PATHS = ("lanes", "short", "runs", "fused")
 
 @dataclass(frozen=True)
 class Config:
-    """The tuning constants. Why each has its value, and the command that re-measures it:
-    docs/internals.md, "Tuning constants"."""
+    """The tuning constants (why each value, and how to re-measure it: docs/internals.md)."""
 
     tile: int = 1 << 14               # elements per reduction tile
     column_group: int = 8192          # at most this many lanes per channels-last tile
@@ -65,8 +64,7 @@ def override(**values: int) -> Iterator[Config]:
 
 @contextlib.contextmanager
 def forced_path(path: str) -> Iterator[None]:
-    """Tests: make every call take ``path`` (not thread-safe). Only ``lanes`` serves 2-D
-    arrays: any other raises ValueError for them."""
+    """Tests: make every call take ``path`` (not thread-safe); 2-D arrays take only lanes."""
     global _forced
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; expected one of {PATHS}")
@@ -139,27 +137,17 @@ class KernelPlan:
                 f"{self.blocks} x {self.segments} per channel)")
 
 
-def _reduce_tiles(cfg: Config, M: int, L: int) -> tuple[int, int]:
-    """(rows per block, lanes per group) of a lane reduction: at least ``tile`` elements and
-    ``min_block_rows`` rows, at most ``max_row_blocks`` blocks and ``partial_bytes``."""
-    cols = min(L, cfg.column_group)
-    blocks = max(1, min(cfg.max_row_blocks, cfg.partial_bytes // (16 * max(L, 1)),
-                        M * cols // cfg.tile, M // cfg.min_block_rows))
-    return _ceil_div(M, blocks), cols
-
-
-def _elemt_tiles(cfg: Config, L: int) -> tuple[int, int]:
-    """(rows per block, lanes per group) of an elementwise lane tile."""
-    cols = min(L, cfg.column_group)
-    return max(1, cfg.tile // max(cols, 1)), cols
-
-
 def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bool
                  ) -> tuple[LanePiece, ...]:
     def piece(start, stop, spread, times, lanes):
-        view_rows = (stop - start) // times if spread == "tile" else stop - start
-        rows, cols = (_reduce_tiles(cfg, view_rows, lanes) if reduce
-                      else _elemt_tiles(cfg, lanes))
+        cols = min(lanes, cfg.column_group)
+        rows = max(1, cfg.tile // max(cols, 1))  # elementwise
+        if reduce:  # blocks: <= max_row_blocks and partial_bytes (2 float64 per lane), and
+            # >= tile elements and min_block_rows rows each
+            M = (stop - start) // times if spread == "tile" else stop - start
+            blocks = min(cfg.max_row_blocks, cfg.partial_bytes // (16 * max(lanes, 1)),
+                         M * cols // cfg.tile, M // cfg.min_block_rows)
+            rows = _ceil_div(M, max(1, blocks))
         return LanePiece(start, stop, spread, times, lanes, rows, cols)
 
     if len(shape) == 3:

@@ -56,8 +56,7 @@ def _accumulate_row(x, d, y, mean, shift, psd, psx):
 @njit(**_JIT)
 def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, y0, y1, y2, y3, mean, shift, psd, psx):
     for c in range(d0.shape[0]):
-        m = mean[c]
-        s = shift[c]
+        m, s = mean[c], shift[c]
         p0, q0 = accumulate(d0[c], x0[c], take(y0, c), m, s)
         p1, q1 = accumulate(d1[c], x1[c], take(y1, c), m, s)
         p2, q2 = accumulate(d2[c], x2[c], take(y2, c), m, s)
@@ -188,10 +187,9 @@ def backward_fused_item(c, x, dy, y, out, mean, invstd, weight, count, rows, seg
 
 @njit(**_JIT)
 def forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var, coef):
-    """Training forward of float64 channel c: its corrected two-pass moments (the first
-    pass's mean is the shift of the second), then its output, all while it is in cache.
-    Same tiles, order and arithmetic as the two-phase reductions and bngrad.api's moments,
-    coefficients and normalize, so both give the same bits."""
+    """Training forward of float64 channel c while it is in cache: corrected two-pass moments
+    (the first pass's mean shifts the second), then the output; the same tiles, order and
+    arithmetic as the two-phase reductions and bngrad.api's moments and normalize."""
     A, _, B = x.shape
     n_blocks, n_segs = (A + rows - 1) // rows, (B + seg - 1) // seg
     s = _channel_sums(x, x, None, 0.0, 0.0, c, rows, seg, n_blocks, n_segs, None)[0] / count
@@ -201,8 +199,7 @@ def forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var
     v = (0.0 if v < 0.0 else v) / count  # not max(): a NaN must stay NaN, as np.maximum's
     mean[c], var[c] = m, v
     coef[SCALE, c] = 1.0 / np.sqrt(v + eps) * weight[c]
-    coef[BIAS, c] = bias[c]
-    coef[MEAN, c] = m
+    coef[BIAS, c], coef[MEAN, c] = bias[c], m
     for r in range(A):
         _map(x[r, c], None, None, out[r, c], coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
 
@@ -222,19 +219,15 @@ def elementwise_runs_item(item, x, dy, y, out, coef, group, seg):
              coef[GRAD_MEAN, c], coef[MEAN, c])
 
 
-# Short runs (32 <= B < 256, e.g. 7x7 or 14x14 maps; see kernels._plan): one run at a time
-# spends most of its time in per-run overhead and loop tails (49 = 32 + 17 scalar steps), so
-# these items take a group of channels, whose runs are contiguous in every row, as one row of
-# lanes.
+# Short runs (32 <= B < 256, e.g. 7x7 maps): one run at a time spends most of its time in
+# per-run overhead and loop tails (49 = 32 + 17 scalar steps), so these items take a group of
+# channels, whose runs are contiguous in every row, as one row of lanes.
 
 @njit(**_JIT)
 def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
-    """partial[j, 0, c] = (sum dy', sum dy'*(x-mean)), dy' = dy - shift, over rows block j.
-
-    One item per (rows block j, group of channels): the group's lanes of the (A, C*B) views
-    are summed over the block's rows (four at a time, in order) into per-lane float64 sums,
-    then each channel adds its B lanes in order.
-    """
+    """partial[j, 0, c] = (sum dy', sum dy'*(x-mean)) over rows block j, for a group of
+    channels: their lanes of the (A, C*B) views summed over the block's rows (four at a time,
+    in order) into per-lane sums, then each channel's B lanes added in order."""
     A, C = x2.shape[0], x2.shape[1] // B
     n_groups = (C + group - 1) // group
     j, g = item // n_groups, item % n_groups
@@ -261,8 +254,7 @@ def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
 @njit(**_JIT)
 def _tile_of(item, M, L, rows, cols):
     """(j, r0, r1, c0, c1): the item-th tile, rows block j, of an (M, L) array."""
-    n_groups = (L + cols - 1) // cols
-    j, g = item // n_groups, item % n_groups
+    j, g = item // ((L + cols - 1) // cols), item % ((L + cols - 1) // cols)
     return j, j * rows, min(M, j * rows + rows), g * cols, min(L, g * cols + cols)
 
 
@@ -313,29 +305,18 @@ def transpose_item(item, source, out):
     so that both sides are read and written a cache line at a time."""
     A, C, B = out.shape
     t = 32
-    n_c = (C + t - 1) // t
-    n_b = (B + t - 1) // t
-    jb = item % n_b
-    rest = item // n_b
-    jc = rest % n_c
-    src = source[rest // n_c]
-    dst = out[rest // n_c]
+    n_c, n_b = (C + t - 1) // t, (B + t - 1) // t
+    rest, jb = item // n_b, item % n_b
+    src, dst, jc = source[rest // n_c], out[rest // n_c], rest % n_c
     for c in range(jc * t, min(C, jc * t + t)):
         for b in range(jb * t, min(B, jb * t + t)):
             dst[c, b] = src[b, c]
 
 
 # ---------------------------------------------------------------------------------------------
-# launchers: who runs the work items, today Numba's pool (prange)
-#
-# Each parallel kernel is ``for item in range(n): <kernel>_item(item, *args)``; kernels.__init__
-# computes ``n`` from the plan and calls these through its ``launch`` attribute, the one place
-# to swap them. Another backend (bngrad._gomp runs items on PyTorch's OpenMP team) provides
-# functions of these names and signatures over the same ``*_item`` bodies: same items, same
-# serial combination afterwards, same bits. They live in this file because Numba keys each
-# cached function on its own file only: an edited item body must invalidate its launcher too.
-
-
+# launchers: who runs the items 0..n-1 (Numba's pool today), called through kernels.launch; a
+# backend provides these names over the same items (docs/internals.md). Here, not in a module
+# of their own: Numba keys a cached function on its own file, and they inline the items.
 
 @njit(parallel=True, **_JIT)
 def reduce_runs(n, x, dy, y, mean, shift, rows, seg, partial):
@@ -372,7 +353,7 @@ def backward_fused(n, x, dy, y, out, mean, invstd, weight, count, rows, seg, sum
                    sum_dy_xmu, coef):
     for c in prange(n):
         backward_fused_item(c, x, dy, y, out, mean, invstd, weight, count, rows, seg, sum_dy,
-                              sum_dy_xmu, coef)
+                            sum_dy_xmu, coef)
 
 
 @njit(parallel=True, **_JIT)
