@@ -10,9 +10,9 @@
 
 What autograd keeps for the backward: the input and a mask of one bit per element
 (:mod:`bngrad.fused`'s "bits" format, a uint8 tensor), never the output nor the side input;
-PyTorch's unfused sequence keeps the input and the output. The kernels are today a
-composition of bngrad's batch norm with NumPy passes (see :mod:`bngrad.fused`); the fused
-kernel comes next.
+PyTorch's unfused sequence keeps the input and the output. The add, the ReLU, the mask and
+the masked gradients are made inside batch norm's own kernel passes (see :mod:`bngrad.fused`
+for what is not: the 1-bit mask is packed and unpacked by NumPy).
 
 Double backward: ReLU's second derivative is zero almost everywhere, so the derivative of the
 fused backward is batch norm's double backward (:func:`bngrad.torch.ops._double_backward`)
@@ -133,18 +133,9 @@ def _forward_backward(ctx, grad_out, grad_save_mean, grad_save_invstd, *_):
             relu_mask, ctx.training, ctx.eps, mask, ctx.activation)
         grads = [o if m else None for o, m in zip(outs, mask)]
     grad_input = grads[0]
-    if ctx.training and need[0] and (grad_save_mean is not None
-                                     or grad_save_invstd is not None):
-        # save_mean and save_invstd are functions of the input too (as in ops.py)
-        _dims, shape, m = ops._reduce_dims(input)
-        extra = torch.zeros_like(input, dtype=save_mean.dtype)
-        if grad_save_mean is not None:
-            extra = extra + grad_save_mean.view(shape) / m
-        if grad_save_invstd is not None:
-            xhat = (input - save_mean.view(shape)) * save_invstd.view(shape)
-            extra = extra - grad_save_invstd.view(shape) * save_invstd.view(shape) ** 2 * xhat / m
-        extra = extra.to(input.dtype)
-        grad_input = extra if grad_input is None else grad_input + extra
+    if ctx.training and need[0]:
+        grad_input = ops.add_statistics_grad(grad_input, input, save_mean, save_invstd,
+                                             grad_save_mean, grad_save_invstd)
     return grad_input, grads[1], grads[2], None, None, grads[3], None, None, None, None
 
 
@@ -353,8 +344,8 @@ def batch_norm_relu(input: Tensor, running_mean: Optional[Tensor],
     eps))``, with :func:`bngrad.torch.batch_norm`'s arguments, checks and devices.
 
     Differentiable to any order; autograd keeps the input and a 1-bit-per-element mask, not
-    the output. Today a composition of bngrad's batch norm and NumPy passes, not yet one
-    fused kernel.
+    the output. The ReLU and its mask are made inside batch norm's own passes (see
+    :mod:`bngrad.fused`).
     """
     return _fused(input, None, running_mean, running_var, weight, bias, training, momentum, eps,
                   "relu")
@@ -380,21 +371,9 @@ class _FusedBatchNorm(_BngradBatchNorm):
     and :class:`bngrad.torch.BatchNorm2d`) around the fused functional form."""
 
     def _fused_forward(self, input: Tensor, side_input: Optional[Tensor]) -> Tensor:
-        self._check_input_dim(input)
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            if self.momentum is None:
-                if torch.jit.is_tracing():
-                    raise RuntimeError(
-                        f"{self._get_name()}(momentum=None) cannot be traced in training mode: "
-                        "the cumulative average's factor changes every step; set a momentum")
-                factor = 1.0 / float(self.num_batches_tracked)
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        use_buffers = not self.training or self.track_running_stats
+        running_mean, running_var, bn_training, factor = self._step(input)
         try:
-            return _fused(input, side_input, self.running_mean if use_buffers else None,
-                          self.running_var if use_buffers else None, self.weight, self.bias,
+            return _fused(input, side_input, running_mean, running_var, self.weight, self.bias,
                           bn_training, factor, self.eps, "relu")
         except (ArgumentValueError, ArgumentTypeError) as exc:
             raise self._in_module_terms(exc, input) from None

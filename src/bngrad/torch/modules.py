@@ -10,7 +10,7 @@ converted. TorchScript (``torch.jit.script``) is refused with a clear error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Type
+from typing import TYPE_CHECKING, Dict, Optional, Type
 
 import torch
 from torch import Tensor, nn
@@ -50,9 +50,20 @@ class _BngradBatchNorm(_BngradModule, _BatchNormBase):
     """The forward of ``torch.nn.modules.batchnorm._BatchNorm``, calling bngrad's batch_norm."""
 
     def forward(self, input: Tensor) -> Tensor:
+        running_mean, running_var, bn_training, factor = self._step(input)
+        try:
+            return batch_norm(input, running_mean, running_var, self.weight, self.bias,
+                              bn_training, factor, self.eps)
+        except (ArgumentValueError, ArgumentTypeError) as exc:
+            raise self._in_module_terms(exc, input) from None
+
+    def _step(self, input: Tensor
+              ) -> tuple[Optional[Tensor], Optional[Tensor], bool, float]:
+        """PyTorch's _BatchNorm.forward bookkeeping: checks the input, counts the batch, and
+        returns (running_mean, running_var, use batch statistics, momentum factor) for the
+        functional call. momentum=None means a cumulative moving average, 1/num_batches_tracked.
+        """
         self._check_input_dim(input)
-        # Same bookkeeping as PyTorch's _BatchNorm.forward: momentum=None means a cumulative
-        # moving average, 1/num_batches_tracked.
         exponential_average_factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -68,14 +79,9 @@ class _BngradBatchNorm(_BngradModule, _BatchNormBase):
                 exponential_average_factor = 1.0 / float(self.num_batches_tracked)
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
         use_buffers = not self.training or self.track_running_stats
-        try:
-            return batch_norm(
-                input,
-                self.running_mean if use_buffers else None,
-                self.running_var if use_buffers else None,
-                self.weight, self.bias, bn_training, exponential_average_factor, self.eps)
-        except (ArgumentValueError, ArgumentTypeError) as exc:
-            raise self._in_module_terms(exc, input) from None
+        return (self.running_mean if use_buffers else None,
+                self.running_var if use_buffers else None, bn_training,
+                exponential_average_factor)
 
     def _in_module_terms(self, exc: Exception, input: Tensor) -> Exception:
         """``exc`` (from the functional form) said in terms of this module, where it can be:

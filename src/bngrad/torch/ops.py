@@ -159,20 +159,29 @@ def _forward_backward(ctx, grad_out, grad_save_mean, grad_save_invstd, _grad_new
         grad_input = grad_input if mask[0] else None
         grad_weight = grad_weight if mask[1] else None
         grad_bias = grad_bias if mask[2] else None
-    if ctx.training and need_input and (grad_save_mean is not None
-                                        or grad_save_invstd is not None):
-        # save_mean and save_invstd are functions of the input too:
-        #   d mean / dx = 1/M,   d invstd / dx = -invstd**2 * xhat / M
-        dims, shape, m = _reduce_dims(input)
-        extra = torch.zeros_like(input, dtype=save_mean.dtype)
-        if grad_save_mean is not None:
-            extra = extra + grad_save_mean.view(shape) / m
-        if grad_save_invstd is not None:
-            xhat = (input - save_mean.view(shape)) * save_invstd.view(shape)
-            extra = extra - grad_save_invstd.view(shape) * save_invstd.view(shape) ** 2 * xhat / m
-        extra = extra.to(input.dtype)
-        grad_input = extra if grad_input is None else grad_input + extra
+    if ctx.training and need_input:
+        grad_input = add_statistics_grad(grad_input, input, save_mean, save_invstd,
+                                         grad_save_mean, grad_save_invstd)
     return grad_input, grad_weight, grad_bias, None, None, None, None, None
+
+
+def add_statistics_grad(grad_input: Optional[Tensor], input: Tensor, save_mean: Tensor,
+                        save_invstd: Tensor, grad_save_mean: Optional[Tensor],
+                        grad_save_invstd: Optional[Tensor]) -> Optional[Tensor]:
+    """``grad_input`` plus what flows back through the training forward's saved statistics,
+    which are functions of the input too: d mean / dx = 1/M, d invstd / dx = -invstd**2*xhat/M.
+    """
+    if grad_save_mean is None and grad_save_invstd is None:
+        return grad_input
+    _dims, shape, m = _reduce_dims(input)
+    extra = torch.zeros_like(input, dtype=save_mean.dtype)
+    if grad_save_mean is not None:
+        extra = extra + grad_save_mean.view(shape) / m
+    if grad_save_invstd is not None:
+        xhat = (input - save_mean.view(shape)) * save_invstd.view(shape)
+        extra = extra - grad_save_invstd.view(shape) * save_invstd.view(shape) ** 2 * xhat / m
+    extra = extra.to(input.dtype)
+    return extra if grad_input is None else grad_input + extra
 
 
 batch_norm_forward.register_autograd(_forward_backward, setup_context=_forward_setup_context)
