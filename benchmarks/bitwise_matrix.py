@@ -6,7 +6,8 @@ A kernel refactoring must not change a single bit. Run this once before the chan
 cases whose sha256 (of the output bytes, in C order) differs and exits 1 if any does.
 
 The matrix: forward (train/eval, weight or None), backward (train with saved statistics, train
-computing them, eval; weight or None; every output_mask), reduce and elemt, over shapes that
+computing them, eval; weight or None; every output_mask), reduce and elemt, the fused ReLU +
+side input variants (bngrad.fused: forward, backward given the bits mask), over shapes that
 reach every path (2-D narrow rows that fold and wide rows that span several column groups;
 channels-first runs < 32, 32..255, >= 256 with and without enough channels to fuse, runs longer
 than a tile; NHWC, a grad_out in another layout than input, sliced input), every dtype variant
@@ -156,6 +157,24 @@ def _calls(c):
     def moments(t):
         return list(bngrad.batch_norm_moments(c["x"], num_threads=t, **kw))
     yield "moments", moments
+
+    # the fused variants, with dy doubling as the side input
+    fused = dict(side_input=c["dy"], **kw)
+
+    def fused_forward(t):
+        rm, rv = c["running_mean"].copy(), c["running_var"].copy()
+        out = bngrad.batch_norm_relu_forward(c["x"], c["weight"], c["bias"], rm, rv, True, 0.1,
+                                             1e-5, num_threads=t, **fused)
+        return list(out) + [rm, rv]
+    yield "fused-forward", fused_forward
+
+    def fused_backward(t):
+        _, mean, invstd, bits = bngrad.batch_norm_relu_forward(c["x"], c["weight"], c["bias"],
+                                                               num_threads=1, **fused)
+        return list(bngrad.batch_norm_relu_backward(c["dy"], c["x"], c["weight"], None, None,
+                                                    mean, invstd, relu_mask=bits,
+                                                    num_threads=t, **kw))
+    yield "fused-backward", fused_backward
 
 
 def matrix() -> dict[str, str]:

@@ -1,7 +1,8 @@
 """bngrad.batch_norm_relu_forward / _backward (batch norm + side input + ReLU) against
 bngrad.reference: every dtype variant, layouts (one array each: input, grad_out, side_input),
 train/eval, with and without side input, the backward given the output or either mask format,
-every output_mask, ties at exactly 0 and NaN (as PyTorch's threshold_backward), errors."""
+every output_mask, every kernel path (forced, with tests/test_paths.py's grids), ties at
+exactly 0 and NaN (as PyTorch's threshold_backward), errors."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import bngrad
 from bngrad import reference
 from conftest import (DTYPE_VARIANT, DTYPE_VARIANTS, F32, assert_output_layout, make_data,
                       quantize, to_layout)
+from test_paths import CASES, _assert_path, _case_id, _on_path
 from tolerances import assert_close, assert_dtype, backward_scales
 
 SHAPE = (3, 4, 2, 5)
@@ -33,13 +35,13 @@ def _seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
-def _case(variant, layout, train, with_side, seed):
+def _case(variant, layout, train, with_side, seed, shape=SHAPE):
     v = DTYPE_VARIANT[variant]
     _, in_l, go_l, z_l, ax = layout
     rng = np.random.default_rng(seed)
-    c = SHAPE[ax]
-    dy, x = make_data(SHAPE, ax, rng, v.data)
-    z = quantize(rng.standard_normal(SHAPE), v.data) if with_side else None
+    c = shape[ax]
+    dy, x = make_data(shape, ax, rng, v.data)
+    z = quantize(rng.standard_normal(shape), v.data) if with_side else None
     p = dict(weight=quantize(rng.uniform(-1.5, 1.5, c), v.param),
              bias=quantize(rng.standard_normal(c) * 0.5, v.param),
              running_mean=quantize(rng.normal(0.0, 0.3, c), v.param),
@@ -55,14 +57,14 @@ def _unpack(bits, shape):
     return np.array(flat, dtype=bool).reshape(shape)
 
 
-def _check_forward(case, mask_format):
+def _check_forward(case, mask_format, num_threads=None):
     p = case["params"]
     rm, rv = p["running_mean"].copy(), p["running_var"].copy()
     x, z = case["x"], case["z"]
     x_before = x.copy()
     out, mean, invstd, mask = bngrad.batch_norm_relu_forward(
         x, p["weight"], p["bias"], rm, rv, case["train"], 0.1, 1e-5, side_input=z,
-        mask_format=mask_format, channel_axis=case["axis"])
+        mask_format=mask_format, channel_axis=case["axis"], num_threads=num_threads)
     np.testing.assert_array_equal(x, x_before)
     ref, ref_mean, ref_invstd, ref_rm, ref_rv, _ = reference.batch_norm_relu_forward(
         x, p["weight"], p["bias"], p["running_mean"], p["running_var"], case["train"], 0.1,
@@ -93,16 +95,13 @@ def _check_forward(case, mask_format):
     return out, mean, invstd, mask
 
 
-@pytest.mark.parametrize("with_side", [True, False], ids=["side", "noside"])
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay[0])
-@pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])
-def test_fused_matches_reference(variant, layout, train, with_side):
-    case = _case(variant, layout, train, with_side, _seed(variant, layout, train, with_side))
-    p, x, dy = case["params"], case["x"], case["dy"]
-    out, mean, invstd, bits = _check_forward(case, "bits")
-    mask_bytes = _check_forward(case, "bytes")[3]
-    assert _check_forward(case, None)[3] is None
+def _check_fused(case, output_masks=((True,) * 4,), num_threads=None):
+    """Forward (three mask formats) and backward (given y or either mask; each of
+    ``output_masks``) of ``case`` against the reference."""
+    p, x, dy, train = case["params"], case["x"], case["dy"], case["train"]
+    out, mean, invstd, bits = _check_forward(case, "bits", num_threads)
+    mask_bytes = _check_forward(case, "bytes", num_threads)[3]
+    assert _check_forward(case, None, num_threads)[3] is None
     # The backward is judged given the fast forward's own y: near 0 a half-precision y may
     # round to the other side of the ReLU than the float64 one, and that is not the backward's
     # business.
@@ -113,26 +112,64 @@ def test_fused_matches_reference(variant, layout, train, with_side):
     stats = ((mean, invstd) if train else
              (p["running_mean"], 1 / np.sqrt(p["running_var"].astype(np.float64) + 1e-5)))
     scales = backward_scales(g, x, p["weight"], *stats, case["axis"])
-    for form in FORMS:
+    for form, output_mask in itertools.product(FORMS, output_masks):
         given = {"output": {"output": out}, "bits": {"relu_mask": bits},
                  "bytes": {"relu_mask": mask_bytes}}[form]
         dy_before = dy.copy()
-        got = bngrad.batch_norm_relu_backward(dy, x, p["weight"], p["running_mean"],
-                                              p["running_var"], mean, invstd, train, 1e-5,
-                                              channel_axis=case["axis"], **given)
+        gi, gw, gb, gz = bngrad.batch_norm_relu_backward(
+            dy, x, p["weight"], p["running_mean"], p["running_var"], mean, invstd, train, 1e-5,
+            output_mask, channel_axis=case["axis"], num_threads=num_threads, **given)
         np.testing.assert_array_equal(dy, dy_before)
-        gi, gw, gb, gz = got
-        assert_dtype(gi, x.dtype, "grad_input")
-        assert_dtype(gz, x.dtype, "grad_side_input")
-        assert_dtype(gw, p["weight"].dtype, "grad_weight")
-        assert_output_layout(gi, x)
-        assert_output_layout(gz, x, "grad_side_input")
-        # g is dy with zeros: exact in every dtype
-        np.testing.assert_array_equal(gz.astype(np.float64), g, err_msg=f"grad_side_input {form}")
-        assert_close(gi, ref[0], what=f"grad_input ({form})",
-                     scale=scales["grad_input"] if train else None)
-        assert_close(gw, ref[1], what=f"grad_weight ({form})", scale=scales["grad_weight"])
-        assert_close(gb, ref[2], what=f"grad_bias ({form})", scale=scales["grad_bias"])
+        what = f"({form}, output_mask {output_mask})"
+        for name, got, on in zip(("grad_input", "grad_weight", "grad_bias", "grad_side_input"),
+                                 (gi, gw, gb, gz), output_mask):
+            assert (got is None) == (not on), f"{name} {what}"
+        if output_mask[0]:
+            assert_dtype(gi, x.dtype, "grad_input")
+            assert_output_layout(gi, x)
+            assert_close(gi, ref[0], what=f"grad_input {what}",
+                         scale=scales["grad_input"] if train else None)
+        if output_mask[1]:
+            assert_dtype(gw, p["weight"].dtype, "grad_weight")
+            assert_close(gw, ref[1], what=f"grad_weight {what}", scale=scales["grad_weight"])
+        if output_mask[2]:
+            assert_close(gb, ref[2], what=f"grad_bias {what}", scale=scales["grad_bias"])
+        if output_mask[3]:
+            assert_dtype(gz, x.dtype, "grad_side_input")
+            assert_output_layout(gz, x, "grad_side_input")
+            # g is dy with zeros: exact in every dtype
+            np.testing.assert_array_equal(gz.astype(np.float64), g,
+                                          err_msg=f"grad_side_input {what}")
+
+
+@pytest.mark.parametrize("with_side", [True, False], ids=["side", "noside"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay[0])
+@pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])
+def test_fused_matches_reference(variant, layout, train, with_side):
+    seed = _seed(variant, layout, train, with_side)
+    _check_fused(_case(variant, layout, train, with_side, seed))
+
+
+# grad_side_input with and without grad_input (its own pass), grad_input alone
+PATH_OUTPUT_MASKS = ((True, True, True, True), (False, True, True, True),
+                     (True, False, False, False))
+
+
+@pytest.mark.parametrize("with_side", [True, False], ids=["side", "noside"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])
+@pytest.mark.parametrize("path_case", CASES, ids=_case_id)
+def test_fused_on_every_path(path_case, variant, train, with_side):
+    """The fused variants of each kernel path (lanes, short, runs, fused; forced on small
+    arrays with shrunk tuning constants, as tests/test_paths.py) against the reference."""
+    grid, path = path_case
+    layout = (grid[0], grid[2], grid[2], grid[2], 1)
+    case = _case(variant, layout, train, with_side, _seed(grid[0], variant, train, with_side),
+                 shape=grid[1])
+    with _on_path(grid, path):
+        _assert_path(case["x"], path, case["dy"])
+        _check_fused(case, PATH_OUTPUT_MASKS, num_threads=2)
 
 
 @pytest.mark.parametrize("variant", ["float64", "float32", "bfloat16-p32"])

@@ -56,6 +56,17 @@ class Plan:
         user = memory.transpose(np.argsort(self.order))
         return as_kernel_array(memory).reshape(self.x.shape), user
 
+    def canonical(self, array: np.ndarray) -> np.ndarray:
+        """The kernel view of ``array`` (input's shape, any layout; a bool array is seen as
+        uint8) laid out like x: a view where it is dense in the plan's order, else one copy
+        (as grad_out's)."""
+        if array.dtype == np.bool_:
+            array = array.view(np.uint8)
+        memory = array.transpose(self.order)
+        if not memory.flags.c_contiguous:
+            memory = _in_order(array, self.order)
+        return as_kernel_array(memory).reshape(self.x.shape)
+
     def output(self, shape: tuple[int, ...], dtype: np.dtype, out: Optional[np.ndarray]
                ) -> tuple[np.ndarray, np.ndarray]:
         """(kernel view, array the kernel's result ends up in) for an optional ``out``.

@@ -152,6 +152,19 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
         Batch mean and 1/sqrt(var + eps) in train mode (float32 for float16/bfloat16 inputs,
         else input's dtype); empty arrays in eval mode, as in PyTorch.
     """
+    return _forward(input, weight, bias, running_mean, running_var, train, momentum, eps,
+                    channel_axis, num_threads, out)[:3]
+
+
+def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
+             train: Any, momentum: Any, eps: Any, channel_axis: Any, num_threads: Any,
+             out: Optional[Array], side_input: Optional[Array] = None, relu: bool = False
+             ) -> Tuple[Array, Array, Array, Optional[Array]]:
+    """batch_norm_forward, and the operands of bngrad.fused's variant, in its normalize pass:
+    ``side_input`` (input's shape and dtype, any layout, checked by the caller) is added, and
+    with ``relu`` the ReLU is applied and its mask written. Returns (output, save_mean,
+    save_invstd, mask): mask, with ``relu``, is uint8 (1: the output is not <= 0) of input's
+    shape in the output's axis order; else None."""
     input = check.data_array("input", input)
     axis = check.channel_axis(channel_axis, input.ndim)
     train = check.boolean("train", train)
@@ -178,13 +191,18 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     with parallel_region(threads), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
         layout = plan(input, None, axis)
         out_kernel, output = layout.output(input.shape, input.dtype, out)
+        z = None if side_input is None else layout.canonical(side_input)
+        mask_kernel: Optional[Array] = None
+        mask: Optional[Array] = None
+        if relu:  # the mask bytes select the ReLU in the kernels (kernels._ops.finish)
+            mask_kernel, mask = layout.empty_output(input.shape, np.dtype(np.uint8))
         fused = None  # (mean, var) where one kernel wrote both them and the output
         if train:
             if count == 0:
                 mean, var = np.full(n_channels, np.nan), np.full(n_channels, np.nan)
             else:
                 fused = kernels.forward_train(layout.kernel, layout.x, out_kernel, scale_weight,
-                                              shift_bias, eps, count, compute)
+                                              shift_bias, eps, count, compute, z, mask_kernel)
                 mean, var = fused if fused is not None else _moments(layout, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
             if running_mean is not None and count > 0:
@@ -199,12 +217,13 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
             coef = np.zeros((4, n_channels), dtype=compute)
             coef[kernels.SCALE], coef[kernels.BIAS] = invstd * scale_weight, shift_bias
             coef[kernels.MEAN] = mean
-            kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x)
+            kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x, z=z,
+                                aux=mask_kernel)
     output = finish_output(output, out)
 
     if train:
-        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype)
-    return output, np.empty(0, dtype=stat_dtype), np.empty(0, dtype=stat_dtype)
+        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), mask
+    return output, np.empty(0, dtype=stat_dtype), np.empty(0, dtype=stat_dtype), mask
 
 
 def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_mean: Any = None,
@@ -256,6 +275,20 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         The weight's dtype if a weight is given; else float32 for a float16/bfloat16 input
         with float32 statistics (mixed precision); else input's dtype.
     """
+    return _backward(grad_out, input, weight, running_mean, running_var, save_mean,
+                     save_invstd, train, eps, output_mask, channel_axis, num_threads, out)[:3]
+
+
+def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
+              save_mean: Any, save_invstd: Any, train: Any, eps: Any, output_mask: Any,
+              channel_axis: Any, num_threads: Any, out: Optional[Array],
+              relu: Optional[Array] = None, grad_side: bool = False
+              ) -> Tuple[Optional[Array], Optional[Array], Optional[Array], Optional[Array]]:
+    """batch_norm_backward, and the operands of bngrad.fused's variant: ``relu`` (the
+    forward output, or mask bytes as uint8; input's shape, any layout, checked by the caller)
+    masks grad_out in both passes; with ``grad_side`` the masked gradient g is also returned
+    (grad_side_input, written by the pass that writes grad_input). Returns (grad_input,
+    grad_weight, grad_bias, g or None)."""
     grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     train = check.boolean("train", train)
     eps = check.eps(eps)
@@ -278,6 +311,11 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
 
     with parallel_region(threads):
         layout = plan(input, grad_out, axis)
+        y = None if relu is None else layout.canonical(relu)
+        side_kernel: Optional[Array] = None
+        side: Optional[Array] = None
+        if grad_side:
+            side_kernel, side = layout.empty_output(input.shape, input.dtype)
         if count == 0:
             mean = invstd = np.zeros(n_channels)
         elif running is not None:  # eval mode
@@ -297,14 +335,20 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
             sums = (np.zeros(n_channels), np.zeros(n_channels))
         elif mask[0] and train:
             sums = kernels.backward_train(layout.kernel, layout.x, layout.grad, grad_kernel, mean,
-                                          invstd, w, count, _dtypes.compute_dtype(input.dtype))
+                                          invstd, w, count, _dtypes.compute_dtype(input.dtype),
+                                          y, side_kernel)
         else:
             if mask[1] or mask[2]:
-                sums = kernels.reduce(layout.kernel, layout.x, layout.grad, mean)
-            if mask[0]:
+                sums = kernels.reduce(layout.kernel, layout.x, layout.grad, mean, y=y)
+            if mask[0] or side_kernel is not None:
                 coef = np.zeros((4, n_channels), dtype=_dtypes.compute_dtype(input.dtype))
                 coef[kernels.SCALE] = invstd * w
-                kernels.elementwise(layout.kernel, grad_kernel, coef, dy=layout.grad)
+                if mask[0]:
+                    kernels.elementwise(layout.kernel, grad_kernel, coef, dy=layout.grad, y=y,
+                                        aux=side_kernel)
+                elif side_kernel is not None:  # g alone: eval's pass, scale 1 (g*1 is exact)
+                    coef[kernels.SCALE] = 1.0
+                    kernels.elementwise(layout.kernel, side_kernel, coef, dy=layout.grad, y=y)
 
     if grad_input is not None:  # mask[0]
         grad_input = finish_output(grad_input, out)
@@ -314,7 +358,7 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
         grad_weight = sums[1] * invstd if mask[1] else None
         grad_bias = sums[0] if mask[2] else None
     return (grad_input, _as_param_dtype(grad_weight, out_dtype),
-            _as_param_dtype(grad_bias, out_dtype))
+            _as_param_dtype(grad_bias, out_dtype), side)
 
 
 def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any,

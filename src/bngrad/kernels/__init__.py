@@ -3,6 +3,11 @@
 Layers, bottom up: ``_elements`` (dtype codecs), ``_ops`` (the per-element maths, once),
 ``batchnorm`` (loops, work items, launchers), ``_plan`` (path, tiles, tuning constants); this
 module sizes the work, spreads per-channel values over lanes and combines partial sums.
+
+The fused variants' operands (bngrad.fused) are canonical arrays like x, or None: ``y`` (the
+backward's ReLU record: the forward output, or mask bytes as uint8), ``z`` (the forward's side
+input) and ``aux`` (the elementwise pass's second output: the forward's mask bytes, which also
+selects the ReLU, or the backward's grad_side_input). kernels.batchnorm describes them.
 """
 
 from __future__ import annotations
@@ -52,7 +57,9 @@ def _partial_sums(shape: tuple[int, ...]) -> Iterator[np.ndarray]:
 # ---------------------------------------------------------------------------------------------
 # rows of lanes: 2-D views of each piece, per-channel values spread over its lanes
 
-def _piece_view(a: np.ndarray, piece: LanePiece) -> np.ndarray:
+def _piece_view(a: Optional[np.ndarray], piece: LanePiece) -> Optional[np.ndarray]:
+    if a is None:
+        return None
     if piece.spread == "repeat":
         return a.reshape(a.shape[0], piece.lanes)
     rows = a[piece.start:piece.stop]
@@ -79,18 +86,21 @@ def _add_lanes(total: np.ndarray, lane_sums: np.ndarray, piece: LanePiece) -> No
 
 
 def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
-           shift: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
+           shift: Optional[np.ndarray] = None, y: Optional[np.ndarray] = None
+           ) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (default 0);
-    with dy = x and shift = mean, the second pass of the variance."""
+    with dy = x and shift = mean, the second pass of the variance. Given ``y``, dy is first
+    masked by the ReLU it records."""
     C = x.shape[1]
     shift = np.zeros(C) if shift is None else shift
     sums = (np.zeros(C), np.zeros(C))
     if plan.path == "lanes":
         for piece in plan.reduce_pieces:
-            px, pdy = _piece_view(x, piece), _piece_view(dy, piece)
+            px, pdy, py = (_piece_view(a, piece) for a in (x, dy, y))
+            assert px is not None
             M, L = px.shape
             with _partial_sums((_ceil_div(M, piece.rows), 2, L)) as partial:
-                launch.reduce_lanes(partial.shape[0] * _ceil_div(L, piece.cols), px, pdy, None,
+                launch.reduce_lanes(partial.shape[0] * _ceil_div(L, piece.cols), px, pdy, py,
                                     _spread(mean, piece), _spread(shift, piece), piece.rows,
                                     piece.cols, partial)
                 for i, total in enumerate(sums):  # blocks, then lanes, in a fixed order
@@ -102,10 +112,10 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
     with _partial_sums((plan.blocks, plan.segments, C, 2)) as partial:
         if plan.path == "short":  # never fused, so its own order
             launch.reduce_short(plan.blocks * _ceil_div(C, plan.group), x.reshape(A, C * B),
-                                dy.reshape(A, C * B), None, B, mean, shift, plan.rows,
-                                plan.group, partial)
+                                dy.reshape(A, C * B), None if y is None else y.reshape(A, C * B),
+                                B, mean, shift, plan.rows, plan.group, partial)
         else:
-            launch.reduce_runs(partial.shape[0] * partial.shape[1] * C, x, dy, None, mean,
+            launch.reduce_runs(partial.shape[0] * partial.shape[1] * C, x, dy, y, mean,
                                shift, plan.rows, plan.seg, partial)
         k.combine_channels_first(partial, *sums)
     return sums
@@ -120,51 +130,56 @@ def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -
 
 
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
-                x: Optional[np.ndarray] = None, dy: Optional[np.ndarray] = None) -> None:
+                x: Optional[np.ndarray] = None, dy: Optional[np.ndarray] = None,
+                y: Optional[np.ndarray] = None, z: Optional[np.ndarray] = None,
+                aux: Optional[np.ndarray] = None) -> None:
     """out = kernels._ops.elementwise with the rows of ``coef``: given x and dy, the training
-    grad_input; dy only, the eval grad_input; x only, the forward output."""
+    grad_input; dy only, the eval grad_input; x only, the forward output. The fused operands
+    y, z, aux: see the module's docstring."""
     if plan.path == "lanes":
         for piece in plan.elemt_pieces:
-            px, pdy = (None if a is None else _piece_view(a, piece) for a in (x, dy))
-            pout = _piece_view(out, piece)
+            px, pdy, py, pz, pout, paux = (_piece_view(a, piece) for a in (x, dy, y, z, out, aux))
+            assert pout is not None
             M, L = pout.shape
             launch.elementwise_lanes(_ceil_div(M, piece.rows) * _ceil_div(L, piece.cols), px,
-                                     pdy, None, pout, _spread(coef, piece), piece.rows,
+                                     pdy, py, pz, pout, paux, _spread(coef, piece), piece.rows,
                                      piece.cols)
     else:  # short: groups of whole runs; runs, fused: run segments
         A, C, B = out.shape
         group, seg = (plan.group, B) if plan.path == "short" else (1, plan.seg)
-        launch.elementwise_runs(A * _ceil_div(C, group) * _ceil_div(B, seg), x, dy, None, out,
-                                coef, group, seg)
+        launch.elementwise_runs(A * _ceil_div(C, group) * _ceil_div(B, seg), x, dy, y, z, out,
+                                aux, coef, group, seg)
 
 
-def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype):
+def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=None, aux=None):
     """Training forward in one pass where the plan fuses and the data are float64 (whose
-    two-pass moments it saves two of three passes; docs/internals.md): writes ``out``, returns
-    (mean, biased var) in float64, the bits of bngrad.api's moments then normalize. Else None."""
+    two-pass moments it saves two of three passes; docs/internals.md): writes ``out`` (and
+    ``aux``), returns (mean, biased var) in float64, the bits of bngrad.api's moments then
+    normalize. Else None."""
     if x.dtype != np.float64 or plan.path != "fused":
         return None
     C = x.shape[1]
     mean, var = np.empty(C), np.empty(C)
     coef = np.zeros((4, C), dtype=dtype)
-    launch.forward_fused(C, x, out, weight, bias, float(eps), float(count), plan.rows, plan.seg,
-                         mean, var, coef)
+    launch.forward_fused(C, x, z, out, aux, weight, bias, float(eps), float(count), plan.rows,
+                         plan.seg, mean, var, coef)
     return mean, var
 
 
-def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dtype):
-    """Training reduce + grad_input, fused where the plan says so (same bits as reduce, then
-    elementwise); returns (sum_dy, sum_dy_xmu) in float64."""
+def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dtype, y=None,
+                   aux=None):
+    """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
+    reduce, then elementwise); returns (sum_dy, sum_dy_xmu) in float64."""
     if plan.path == "fused":
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
         coef = np.empty((4, C), dtype=dtype)
-        launch.backward_fused(C, x, dy, None, out, mean, invstd, weight, float(count), plan.rows,
-                              plan.seg, sum_dy, sum_dy_xmu, coef)
+        launch.backward_fused(C, x, dy, y, out, aux, mean, invstd, weight, float(count),
+                              plan.rows, plan.seg, sum_dy, sum_dy_xmu, coef)
         return sum_dy, sum_dy_xmu
-    sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean)
+    sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean, y=y)
     coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)
-    elementwise(plan, out, coef, x, dy)
+    elementwise(plan, out, coef, x, dy, y=y, aux=aux)
     return sum_dy, sum_dy_xmu
 
 

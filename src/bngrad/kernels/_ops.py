@@ -7,9 +7,12 @@ selects a formula when the kernel is compiled, never at run time:
 
 - ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64;
 - ``elementwise``: x and dy: training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ)*SCALE``;
-  dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``;
-- ``grad``: the incoming gradient; ``y`` (the forward output, None today) is where fused
-  activations (issue 13) add ``dy * (y > 0)``.
+  dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``, plus
+  the side input ``z`` where one is given (bngrad.fused);
+- ``grad``: the incoming gradient; given ``y``, the fused ReLU's record (the forward output or
+  a mask byte), 0 where the ReLU blocked it (PyTorch's threshold_backward: y <= 0);
+- ``finish``: the value stored in ``out``, with the fused variants' second output ``aux``
+  written on the way: the forward's ReLU and mask byte, the backward's grad_side_input.
 
 ``(x - MEAN)*PROJ`` is subtracted by one fused multiply-add, after the mean gradient, as
 PyTorch's CPU kernel does (its compiler contracts it): where grad_input cancels (a channel of
@@ -25,7 +28,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-from ._elements import to_float
+from ._elements import from_float, to_float
 
 # Rows of ``coef`` (per channel, compute dtype): SCALE = invstd*weight, PROJ =
 # sum_dy_xmu/count*invstd**2, GRAD_MEAN = sum_dy/count, MEAN; the forward's BIAS uses
@@ -44,6 +47,18 @@ def _fma(typingctx, a, b, c):
         fma = builder.module.declare_intrinsic("llvm.fma", [args[0].type] * 3)
         return builder.call(fma, args)
     return a(a, b, c), codegen
+
+
+@intrinsic
+def _select(typingctx, cond, a, b):
+    """``a if cond else b`` as one LLVM select: no branch in Numba's IR (a ternary inlined
+    twice over trips Numba's IR scope check, NumbaIRAssumptionWarning) and it vectorises."""
+    if not (isinstance(cond, types.Boolean) and a == b):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.select(*args)
+    return a(cond, a, b), codegen
 
 
 def take(values: Any, index: Any) -> Any:
@@ -65,11 +80,38 @@ def grad(dy: Any, y: Any) -> Any:
     raise NotImplementedError
 
 
+def _zero(value: Any) -> Any:
+    """0 in ``value``'s float type (jitted): ``value * 0`` would keep a NaN or make one of inf."""
+    raise NotImplementedError
+
+
+@overload(_zero, inline="always")
+def _zero_impl(value):
+    if value == types.float64:
+        return lambda value: np.float64(0.0)
+    return lambda value: np.float32(0.0)
+
+
+def passes(y: Any) -> Any:
+    """Whether the ReLU let the gradient through (jitted): ``y`` a mask byte (uint8: the
+    kernels see bool masks as uint8) or the forward output, ``not y <= 0`` as PyTorch's
+    threshold_backward (so a NaN output passes it)."""
+    raise NotImplementedError
+
+
+@overload(passes, inline="always")
+def _passes(y):
+    if y == types.uint8:
+        return lambda y: y != 0
+    return lambda y: not (to_float(y) <= 0)
+
+
 @overload(grad, inline="always")
 def _grad(dy, y):
     if isinstance(y, types.NoneType):
         return lambda dy, y: to_float(dy)
-    return None
+    # a select, not dy * mask: a NaN or infinite dy where the ReLU blocked must give 0
+    return lambda dy, y: _select(passes(y), to_float(dy), _zero(to_float(dy)))
 
 
 @njit(inline="always")
@@ -79,16 +121,50 @@ def accumulate(dy, x, y, mean, shift):
     return d, d * (np.float64(to_float(x)) - mean)
 
 
-def elementwise(x: Any, dy: Any, y: Any, scale: Any, proj: Any, shift: Any, mean: Any) -> Any:
-    """grad_input (train: x and dy; eval: dy) or the forward output (x) of one element (jitted)."""
+def elementwise(x: Any, dy: Any, y: Any, z: Any, scale: Any, proj: Any, shift: Any,
+                mean: Any) -> Any:
+    """grad_input (train: x and dy; eval: dy) or the forward output (x; plus z, the side
+    input, unless None) of one element, in the compute type (jitted)."""
     raise NotImplementedError
 
 
 @overload(elementwise, inline="always")
-def _elementwise(x, dy, y, scale, proj, shift, mean):
+def _elementwise(x, dy, y, z, scale, proj, shift, mean):
     if isinstance(dy, types.NoneType):
-        return lambda x, dy, y, scale, proj, shift, mean: (to_float(x) - mean) * scale + shift
+        if isinstance(z, types.NoneType):
+            return lambda x, dy, y, z, scale, proj, shift, mean: (
+                (to_float(x) - mean) * scale + shift)
+        # the add in the compute type, after batch norm's own rounding there (as PyTorch's
+        # bn + z for float32/float64; for half types one rounding fewer than the separate add)
+        return lambda x, dy, y, z, scale, proj, shift, mean: (
+            ((to_float(x) - mean) * scale + shift) + to_float(z))
     if isinstance(x, types.NoneType):
-        return lambda x, dy, y, scale, proj, shift, mean: scale * grad(dy, y)
-    return lambda x, dy, y, scale, proj, shift, mean: (
+        return lambda x, dy, y, z, scale, proj, shift, mean: scale * grad(dy, y)
+    return lambda x, dy, y, z, scale, proj, shift, mean: (
         _fma(mean - to_float(x), proj, grad(dy, y) - shift) * scale)
+
+
+def finish(value: Any, out: Any, aux: Any, i: Any, dy: Any, y: Any) -> Any:
+    """``value`` (from elementwise) as an element of ``out``, writing ``aux[i]`` on the way
+    (jitted). aux None: nothing else. The forward (dy None): the ReLU is applied and aux[i] is
+    its mask byte, 1 where the stored output is not <= 0 (judged after rounding, so that the
+    mask and y agree). The backward: aux[i] = grad(dy, y), grad_side_input."""
+    raise NotImplementedError
+
+
+@overload(finish, inline="always")
+def _finish(value, out, aux, i, dy, y):
+    if isinstance(aux, types.NoneType):
+        return lambda value, out, aux, i, dy, y: from_float(value, out)
+    if isinstance(dy, types.NoneType):
+        def relu(value, out, aux, i, dy, y):
+            # not max(): a NaN stays NaN, as np.maximum and torch.relu keep it
+            stored = from_float(_select(value <= 0, _zero(value), value), out)
+            aux[i] = _select(passes(stored), np.uint8(1), np.uint8(0))
+            return stored
+        return relu
+
+    def side_grad(value, out, aux, i, dy, y):
+        aux[i] = from_float(grad(dy, y), aux)
+        return from_float(value, out)
+    return side_grad

@@ -9,8 +9,13 @@ the end) cannot change the result. The per-element maths is kernels._ops'.
 Determinism: reduction tiles have bounds that depend on the shape only, each is summed in a
 fixed order, and the tile sums are added in a fixed order; the fused and two-phase paths share
 ``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64; elementwise
-arithmetic runs in ``coef``'s dtype (float64 for float64 data, float32 otherwise). ``y`` is
-the side input of fused activations (kernels._ops), None today.
+arithmetic runs in ``coef``'s dtype (float64 for float64 data, float32 otherwise).
+
+Operands of the fused variants (bngrad.fused; None compiles them away, kernels._ops): ``y``,
+the backward's ReLU record (the forward output, or mask bytes as uint8), read beside dy by
+the reductions and the elementwise pass; ``z``, the forward's side input, read beside x; and
+``aux``, the elementwise pass's second output (the forward's mask bytes, the backward's
+grad_side_input), written beside ``out``.
 """
 
 from __future__ import annotations
@@ -21,8 +26,7 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
-from ._elements import from_float
-from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, elementwise, take
+from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, elementwise, finish, take
 
 _JIT: dict[str, Any] = dict(cache=True, nogil=True)
 
@@ -83,12 +87,15 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
 
 
 @njit(**_JIT)
-def _map(x, dy, y, out, scale, proj, shift, mean):
-    """out = elementwise(x, dy, y) over 1-D slices that start at 0, so that LLVM vectorises
-    (None: not an operand). Coefficients: one channel's scalars or per-lane vectors."""
+def _map(x, dy, y, z, out, aux, scale, proj, shift, mean):
+    """out = elementwise(x, dy, y, z), and aux (kernels._ops.finish), over 1-D slices that
+    start at 0, so that LLVM vectorises (None: not an operand). Coefficients: one channel's
+    scalars or per-lane vectors."""
     for i in range(out.shape[0]):
-        out[i] = from_float(elementwise(take(x, i), take(dy, i), take(y, i), take(scale, i),
-                                        take(proj, i), take(shift, i), take(mean, i)), out)
+        d = take(dy, i)  # loaded once, before out (which may be dy) is written
+        r = take(y, i)
+        out[i] = finish(elementwise(take(x, i), d, r, take(z, i), take(scale, i), take(proj, i),
+                                    take(shift, i), take(mean, i)), out, aux, i, d, r)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +178,7 @@ def combine_channels_first(partial, sum_dy, sum_dy_xmu):
 
 
 @njit(**_JIT)
-def backward_fused_item(c, x, dy, y, out, mean, invstd, weight, count, rows, seg,
+def backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg,
                         sum_dy, sum_dy_xmu, coef):
     """Training backward of channel c: reduce it, then apply while it is in cache."""
     A, _, B = x.shape
@@ -181,12 +188,12 @@ def backward_fused_item(c, x, dy, y, out, mean, invstd, weight, count, rows, seg
     sum_dy[c], sum_dy_xmu[c] = sd, sx
     _train_coefficients(sd, sx, invstd[c], weight[c], count, m, coef, c)
     for r in range(A):
-        _map(x[r, c], dy[r, c], take(y, (r, c)), out[r, c], coef[SCALE, c], coef[PROJ, c],
-             coef[GRAD_MEAN, c], coef[MEAN, c])
+        _map(x[r, c], dy[r, c], take(y, (r, c)), None, out[r, c], take(aux, (r, c)),
+             coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c], coef[MEAN, c])
 
 
 @njit(**_JIT)
-def forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var, coef):
+def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var, coef):
     """Training forward of float64 channel c while it is in cache: corrected two-pass moments
     (the first pass's mean shifts the second), then the output; the same tiles, order and
     arithmetic as the two-phase reductions and bngrad.api's moments and normalize."""
@@ -201,12 +208,13 @@ def forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var
     coef[SCALE, c] = 1.0 / np.sqrt(v + eps) * weight[c]
     coef[BIAS, c], coef[MEAN, c] = bias[c], m
     for r in range(A):
-        _map(x[r, c], None, None, out[r, c], coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
+        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], take(aux, (r, c)), coef[SCALE, c],
+             None, coef[BIAS, c], coef[MEAN, c])
 
 
 @njit(**_JIT)
-def elementwise_runs_item(item, x, dy, y, out, coef, group, seg):
-    """Item (row a, group of channels, run segment): out = elementwise(x, dy, y) on that
+def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
+    """Item (row a, group of channels, run segment): out = elementwise(x, dy, y, z) on that
     segment of each channel's run. ``runs``: one channel, segments of ``seg``; ``short``: a
     group of whole runs, so that short runs cost no index arithmetic each."""
     A, C, B = out.shape
@@ -215,8 +223,8 @@ def elementwise_runs_item(item, x, dy, y, out, coef, group, seg):
     a, g = r // n_groups, r % n_groups
     for c in range(g * group, min(C, g * group + group)):
         run = (a, c, slice(b0, min(B, b0 + seg)))
-        _map(take(x, run), take(dy, run), take(y, run), out[run], coef[SCALE, c], coef[PROJ, c],
-             coef[GRAD_MEAN, c], coef[MEAN, c])
+        _map(take(x, run), take(dy, run), take(y, run), take(z, run), out[run], take(aux, run),
+             coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c], coef[MEAN, c])
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 maps): one run at a time spends most of its time in
@@ -279,15 +287,15 @@ def add_lanes(total, per_lane):
 
 
 @njit(**_JIT)
-def elementwise_lanes_item(item, x, dy, y, out, coef, rows, cols):
+def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
     """One item per (rows block, column group), so that few rows still make many items."""
     _, r0, r1, c0, c1 = _tile_of(item, out.shape[0], out.shape[1], rows, cols)
     scale, proj = coef[SCALE, c0:c1], coef[PROJ, c0:c1]
     shift, mean = coef[GRAD_MEAN, c0:c1], coef[MEAN, c0:c1]
     for r in range(r0, r1):
         lanes = (r, slice(c0, c1))
-        _map(take(x, lanes), take(dy, lanes), take(y, lanes), out[lanes], scale, proj, shift,
-             mean)
+        _map(take(x, lanes), take(dy, lanes), take(y, lanes), take(z, lanes), out[lanes],
+             take(aux, lanes), scale, proj, shift, mean)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,29 +345,30 @@ def reduce_lanes(n, x, dy, y, mean, shift, rows, cols, partial):
 
 
 @njit(parallel=True, **_JIT)
-def elementwise_runs(n, x, dy, y, out, coef, group, seg):
+def elementwise_runs(n, x, dy, y, z, out, aux, coef, group, seg):
     for item in prange(n):
-        elementwise_runs_item(item, x, dy, y, out, coef, group, seg)
+        elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg)
 
 
 @njit(parallel=True, **_JIT)
-def elementwise_lanes(n, x, dy, y, out, coef, rows, cols):
+def elementwise_lanes(n, x, dy, y, z, out, aux, coef, rows, cols):
     for item in prange(n):
-        elementwise_lanes_item(item, x, dy, y, out, coef, rows, cols)
+        elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols)
 
 
 @njit(parallel=True, **_JIT)
-def backward_fused(n, x, dy, y, out, mean, invstd, weight, count, rows, seg, sum_dy,
+def backward_fused(n, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg, sum_dy,
                    sum_dy_xmu, coef):
     for c in prange(n):
-        backward_fused_item(c, x, dy, y, out, mean, invstd, weight, count, rows, seg, sum_dy,
-                            sum_dy_xmu, coef)
+        backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg,
+                            sum_dy, sum_dy_xmu, coef)
 
 
 @njit(parallel=True, **_JIT)
-def forward_fused(n, x, out, weight, bias, eps, count, rows, seg, mean, var, coef):
+def forward_fused(n, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var, coef):
     for c in prange(n):
-        forward_fused_item(c, x, out, weight, bias, eps, count, rows, seg, mean, var, coef)
+        forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var,
+                           coef)
 
 
 @njit(parallel=True, **_JIT)

@@ -10,9 +10,9 @@
 
 What autograd keeps for the backward: the input and a mask of one bit per element
 (:mod:`bngrad.fused`'s "bits" format, a uint8 tensor), never the output nor the side input;
-PyTorch's unfused sequence keeps the input and the output. The add, the ReLU, the mask and
-the masked gradients are made inside batch norm's own kernel passes (see :mod:`bngrad.fused`
-for what is not: the 1-bit mask is packed and unpacked by NumPy).
+PyTorch's unfused sequence keeps the input and the output. The backward's masked gradients
+are made inside batch norm's own kernel passes; the forward is still batch norm followed by
+NumPy passes (see :mod:`bngrad.fused`).
 
 Double backward: ReLU's second derivative is zero almost everywhere, so the derivative of the
 fused backward is batch norm's double backward (:func:`bngrad.torch.ops._double_backward`)
@@ -344,8 +344,7 @@ def batch_norm_relu(input: Tensor, running_mean: Optional[Tensor],
     eps))``, with :func:`bngrad.torch.batch_norm`'s arguments, checks and devices.
 
     Differentiable to any order; autograd keeps the input and a 1-bit-per-element mask, not
-    the output. The ReLU and its mask are made inside batch norm's own passes (see
-    :mod:`bngrad.fused`).
+    the output. Its backward is fused into batch norm's passes (see :mod:`bngrad.fused`).
     """
     return _fused(input, None, running_mean, running_var, weight, bias, training, momentum, eps,
                   "relu")
