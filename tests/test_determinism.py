@@ -5,7 +5,8 @@ default), so on a 2-core machine num_threads=3 or 4 would silently run on 2. The
 therefore runs in a child process started with NUMBA_NUM_THREADS=4, where 4 threads really
 run (oversubscribed if need be; that changes timing, not results). The child computes every
 path — backward (train with and without stats, each output mask kind, eval), forward (train,
-eval), reduce, elemt, moments — for every dtype on channels-first, channels-last and large-C
+eval), reduce, elemt, moments, and the fused ReLU + side input variants (bngrad.fused: forward,
+backward given the mask or y) — for every dtype on channels-first, channels-last and large-C
 shapes whose reductions span several blocks, and reports which differ from num_threads=1.
 """
 
@@ -38,7 +39,8 @@ SHAPES = [
 ]
 VARIANTS = ["float32", "bfloat16-p32", "float64", "float16"]
 PATHS = ["backward-train", "backward-nostats", "backward-grads-only", "backward-input-only",
-         "backward-eval", "forward-train", "forward-eval", "reduce", "elemt", "moments"]
+         "backward-eval", "forward-train", "forward-eval", "reduce", "elemt", "moments",
+         "fused-forward", "fused-backward-mask", "fused-backward-output"]
 
 
 def _run_path(path, case, threads):
@@ -75,6 +77,15 @@ def _run_path(path, case, threads):
                                                  count, **kw)]
     if path == "moments":
         return list(bngrad.batch_norm_moments(c.input, **kw))
+    if path.startswith("fused"):  # grad_out doubles as the side input
+        rm, rv = c.running_mean.copy(), c.running_var.copy()
+        y, mean, invstd, bits = bngrad.batch_norm_relu_forward(
+            c.input, c.weight, c.weight, rm, rv, True, 0.1, c.eps, side_input=c.grad_out, **kw)
+        if path == "fused-forward":
+            return [y, mean, invstd, bits, rm, rv]
+        given = {"relu_mask": bits} if path == "fused-backward-mask" else {"output": y}
+        return list(bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
+                                                    mean, invstd, True, c.eps, **given, **kw))
     raise ValueError(path)
 
 
