@@ -19,7 +19,7 @@ from ._dtypes import is_half
 from .errors import ArgumentTypeError, ArgumentValueError
 
 # The dtype facts live in bngrad._dtypes. These constants remain for the modules that import
-# them from here (bngrad.dsp; bngrad.kernels._elements until it reads bngrad._dtypes).
+# them from here (bngrad.dsp).
 FLOAT64, FLOAT32, FLOAT16, BFLOAT16 = (_dtypes.spec(name).numpy for name in
                                        ("float64", "float32", "float16", "bfloat16"))
 SUPPORTED_DTYPES = _dtypes.NUMPY_DTYPES
