@@ -56,13 +56,14 @@ def data_array(name: str, value: Any) -> np.ndarray:
     return array
 
 
-def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray) -> None:
+def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray, name: str = "grad_out") -> None:
+    """``grad_out`` (or the array called ``name``) has input's shape and dtype."""
     if grad_out.shape != input.shape:
         raise ArgumentValueError(
-            f"grad_out: expected the shape of input {input.shape}, got shape {grad_out.shape}")
+            f"{name}: expected the shape of input {input.shape}, got shape {grad_out.shape}")
     if grad_out.dtype != input.dtype:
         raise ArgumentTypeError(
-            f"grad_out: expected the dtype of input ({input.dtype}), got dtype {grad_out.dtype}")
+            f"{name}: expected the dtype of input ({input.dtype}), got dtype {grad_out.dtype}")
 
 
 def channel_axis(value: Any, ndim: int) -> int:

@@ -82,12 +82,7 @@ def _mask_format(value: Any) -> Optional[str]:
 def _like_input(name: str, value: Any, input: Array) -> Array:
     """side_input or output: an array of input's shape and dtype, any layout."""
     array = check.data_array(name, value)
-    if array.shape != input.shape:
-        raise ArgumentValueError(
-            f"{name}: expected the shape of input {input.shape}, got shape {array.shape}")
-    if array.dtype != input.dtype:
-        raise ArgumentTypeError(
-            f"{name}: expected the dtype of input ({input.dtype}), got dtype {array.dtype}")
+    check.same_shape_and_dtype(array, input, name)
     return array
 
 
