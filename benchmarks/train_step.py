@@ -21,10 +21,16 @@ Both variants are the same model (same weights, ``bngrad.torch.convert`` applied
 run interleaved in this one process on the same number of threads (torch's intra-op pool and
 Numba's), and reported as ratios bngrad / torch (< 1: bngrad faster).
 
+``--fuse`` adds a third variant, ``bngrad.torch.convert(copy, fuse=True)`` (BN→ReLU and
+BN→add→ReLU fused), timed in the same rounds: its step and its ratio to torch's step, and its
+share of the step in the fused calls (which also do the ReLU and the add that torch's share
+does not count).
+
     python benchmarks/train_step.py                    # the block, default shapes, all cores
     python benchmarks/train_step.py --threads 1 --repeat 30 --layout channels_last
     python benchmarks/train_step.py --model resnet18 --threads 2 --repeat 20
     python benchmarks/train_step.py --model resnet20 --layout contiguous --batch 128
+    python benchmarks/train_step.py --model resnet20 --fuse --repeat 20
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 
 import numba
 import torch
@@ -53,9 +60,12 @@ LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channel
 # name: (builder, classes, default batch, default image size)
 MODELS = {"resnet18": (models.resnet18, 1000, 16, 112), "resnet20": (models.resnet20, 10, 64, 32)}
 # Names of the batch-norm calls in torch.profiler's tables: PyTorch's forward op and autograd
-# node, and bngrad.torch's eager autograd.Function (forward) and its backward node.
+# node, and bngrad.torch's eager autograd.Functions (forward) and their backward nodes (the fused
+# model also has unfused batch norms, e.g. ResNet-18's shortcuts).
 BN_EVENTS = {"torch": ("aten::batch_norm", "NativeBatchNormBackward0"),
-             "bngrad": ("_BatchNorm", "_BatchNormBackward")}
+             "bngrad": ("_BatchNorm", "_BatchNormBackward"),
+             "fused": ("_BatchNorm", "_BatchNormBackward", "_BatchNormReLU",
+                       "_BatchNormReLUBackward")}
 
 
 class BasicBlock(nn.Module):
@@ -114,13 +124,15 @@ def _medians(times: dict) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def run(shapes, dtype, layout, threads, repeat):
+def run(shapes, dtype, layout, threads, repeat, fuse=False):
     torch.set_num_threads(threads)
     numba.set_num_threads(threads)
     memory_format = LAYOUTS[layout]
     print(f"threads={threads} (torch {torch.get_num_threads()}, numba {numba.get_num_threads()}), "
           f"dtype={dtype}, layout={layout}, repeat={repeat}; medians in ms")
     header = f"{'shape (N, C, H, W)':<22}{'what':<10}{'torch':>10}{'bngrad':>10}{'ratio':>8}"
+    if fuse:
+        header += f"{'fused':>10}{'ratio':>8}"
     print(header)
     print("-" * len(header))
     rows = []
@@ -128,14 +140,20 @@ def run(shapes, dtype, layout, threads, repeat):
         torch.manual_seed(0)
         block = BasicBlock(shape[1]).to(DTYPES[dtype]).to(memory_format=memory_format)
         ours = bt.convert(copy.deepcopy(block))
+        fused = bt.convert(copy.deepcopy(block), fuse=True) if fuse else None
         x = torch.randn(shape, dtype=DTYPES[dtype]).to(memory_format=memory_format)
         for what, make in (("step", _step_fn), ("bn only", _bn_only_fn)):
-            t = _medians(_time_interleaved({"torch": make(block, x), "bngrad": make(ours, x)},
-                                           repeat))
+            fns = {"torch": make(block, x), "bngrad": make(ours, x)}
+            if fused is not None and what == "step":  # the fused layers take other arguments
+                fns["fused"] = make(fused, x)
+            t = _medians(_time_interleaved(fns, repeat))
             ratio = t["bngrad"] / t["torch"]
-            rows.append((shape, what, t["torch"], t["bngrad"], ratio))
-            print(f"{str(shape):<22}{what:<10}{t['torch'] * 1e3:>10.2f}{t['bngrad'] * 1e3:>10.2f}"
-                  f"{ratio:>8.2f}")
+            rows.append((shape, what, t["torch"], t["bngrad"], ratio, t.get("fused")))
+            line = (f"{str(shape):<22}{what:<10}{t['torch'] * 1e3:>10.2f}"
+                    f"{t['bngrad'] * 1e3:>10.2f}{ratio:>8.2f}")
+            if "fused" in t:
+                line += f"{t['fused'] * 1e3:>10.2f}{t['fused'] / t['torch']:>8.2f}"
+            print(line)
     return rows
 
 
@@ -191,7 +209,7 @@ def _bn_share_in_step(step, variant: str, steps: int) -> float:
         wall = time.perf_counter() - t0
     names = BN_EVENTS[variant]
     found = [e for e in prof.key_averages() if e.key in names]
-    if len(found) != len(names):
+    if not found:
         print(f"  (profiler: no events named {names} for {variant}; the share is not measured)")
         return float("nan")
     return sum(e.cpu_time_total for e in found) * 1e-6 / wall
@@ -204,7 +222,8 @@ def _spread(samples, scale=1e3, fmt=".2f") -> str:
     return f"{med * scale:{fmt}} [{q1 * scale:{fmt}}-{q3 * scale:{fmt}}]"
 
 
-def run_model(name, dtype, layouts, threads, repeat, batch=None, size=None, profile_steps=3):
+def run_model(name, dtype, layouts, threads, repeat, batch=None, size=None, profile_steps=3,
+              fuse=False):
     """Time ``name`` (a key of MODELS) with each batch norm, one layout after the other."""
     torch.set_num_threads(threads)
     numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
@@ -223,6 +242,11 @@ def run_model(name, dtype, layouts, threads, repeat, batch=None, size=None, prof
         labels = torch.randint(0, classes, (batch,))
         steps = {"torch": _model_step_fn(model, x, labels),
                  "bngrad": _model_step_fn(ours, x, labels)}
+        if fuse:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", bt.FusionWarning)
+                fused = bt.convert(copy.deepcopy(model), fuse=True)
+            steps["fused"] = _model_step_fn(fused, x, labels)
         inputs = _bn_inputs(model, x)
         alone = {"torch": _bns_alone_fn(_batch_norms(model), inputs),
                  "bngrad": _bns_alone_fn(_batch_norms(ours), inputs)}
@@ -238,7 +262,7 @@ def run_model(name, dtype, layouts, threads, repeat, batch=None, size=None, prof
               f"{_spread(step_ratio, 1, '.3f'):>26}")
         print(f"    {'BN fwd+bwd alone':<26}{_spread(t['bn', 'torch']):>26}"
               f"{_spread(t['bn', 'bngrad']):>26}{_spread(bn_ratio, 1, '.3f'):>26}")
-        alone_share = {k: med["bn", k] / med["step", k] for k in steps}
+        alone_share = {k: med["bn", k] / med["step", k] for k in alone}
         print(f"    {'BN share: alone / step':<26}{alone_share['torch']:>26.1%}"
               f"{alone_share['bngrad']:>26.1%}")
         print(f"    {'BN share: in step (prof)':<26}{share['torch']:>26.1%}"
@@ -246,6 +270,14 @@ def run_model(name, dtype, layouts, threads, repeat, batch=None, size=None, prof
         results[layout] = {"step_ratio": statistics.median(step_ratio),
                            "bn_ratio": statistics.median(bn_ratio), "medians": med,
                            "share_alone": alone_share, "share_profiled": share}
+        if fuse:
+            fused_ratio = [b / a for a, b in zip(t["step", "torch"], t["step", "fused"])]
+            n_fused = len(fused.bngrad_fusion_report.fused)
+            label = f"step, fused ({n_fused} BN)"
+            print(f"    {label:<26}{'':>26}{_spread(t['step', 'fused']):>26}"
+                  f"{_spread(fused_ratio, 1, '.3f'):>26}")
+            print(f"    {'fused share in step (prof)':<26}{'':>26}{share['fused']:>26.1%}")
+            results[layout]["fused_step_ratio"] = statistics.median(fused_ratio)
     return results
 
 
@@ -262,6 +294,8 @@ def main(argv=None):
                         help="memory layout (default: contiguous for the block, both for models)")
     parser.add_argument("--shape", type=int, nargs=4, action="append", metavar=("N", "C", "H", "W"),
                         help="block only: input shape (repeatable; default: a few ResNet stages)")
+    parser.add_argument("--fuse", action="store_true",
+                        help="also time bngrad.torch.convert(model, fuse=True)")
     parser.add_argument("--batch", type=int, help="models only: batch size (default 16 / 64)")
     parser.add_argument("--size", type=int, help="models only: image size (default 112 / 32)")
     args = parser.parse_args(argv)
@@ -270,12 +304,13 @@ def main(argv=None):
             parser.error("--batch and --size are for --model resnet18|resnet20")
         layouts = list(LAYOUTS) if args.layout == "both" else [args.layout or "contiguous"]
         for layout in layouts:
-            run(args.shape or SHAPES, args.dtype, layout, args.threads, args.repeat)
+            run(args.shape or SHAPES, args.dtype, layout, args.threads, args.repeat, args.fuse)
     else:
         if args.shape:
             parser.error("--shape is for --model block (use --batch and --size)")
         layouts = list(LAYOUTS) if args.layout in (None, "both") else [args.layout]
-        run_model(args.model, args.dtype, layouts, args.threads, args.repeat, args.batch, args.size)
+        run_model(args.model, args.dtype, layouts, args.threads, args.repeat, args.batch, args.size,
+                  fuse=args.fuse)
 
 
 if __name__ == "__main__":

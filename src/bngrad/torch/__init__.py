@@ -6,6 +6,9 @@
   :class:`BatchNormAddReLU2d` (and 1d/3d): batch norm fused with ReLU / residual add + ReLU
   (:mod:`bngrad.torch.fused`);
 - :func:`convert` / :func:`revert`: swap the batch norms of a model either way;
+  ``convert(model, fuse=True)`` also fuses BN→ReLU and BN→add→ReLU (torch.fx), reporting
+  what it did in ``model.bngrad_fusion_report`` (:class:`FusionReport`) and, where a pattern
+  was refused or a forward could not be traced, a :class:`FusionWarning`;
 - :class:`SyncBatchNorm`: batch norm synchronized across processes (torch.distributed);
 - ``torch.ops.bngrad.*``: the custom operators (:mod:`bngrad.torch.ops`), traceable by
   ``torch.compile`` and ``torch.export``.
@@ -32,8 +35,9 @@ from .fused import (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d, 
                     batch_norm_relu)
 from .modules import BatchNorm1d, BatchNorm2d, BatchNorm3d, convert, revert  # noqa: E402
 from .sync import CollectiveError, SyncBatchNorm  # noqa: E402
+from ._fuse import FusionReport, FusionWarning  # noqa: E402
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormAddReLU1d", "BatchNormAddReLU2d",
            "BatchNormAddReLU3d", "BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d",
-           "CollectiveError", "SyncBatchNorm", "batch_norm", "batch_norm_add_relu",
-           "batch_norm_relu", "convert", "ops", "revert"]
+           "CollectiveError", "FusionReport", "FusionWarning", "SyncBatchNorm", "batch_norm",
+           "batch_norm_add_relu", "batch_norm_relu", "convert", "ops", "revert"]

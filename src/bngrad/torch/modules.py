@@ -175,19 +175,105 @@ def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]]) -> n
     return module
 
 
-def convert(module: nn.Module) -> nn.Module:
-    """Replace every ``torch.nn.BatchNorm1d/2d/3d`` in ``module`` with bngrad's.
+def _check_module(module: object, fn: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(f"bngrad.torch.{fn}: argument 'module' must be a "
+                                f"torch.nn.Module, got {type(module).__name__}")
 
+
+def convert(module: nn.Module, *, fuse: bool = False) -> nn.Module:
+    """Replace every ``torch.nn.BatchNorm1d/2d/3d`` in ``module`` with bngrad's; with
+    ``fuse=True``, also fuse BN→ReLU and BN→add→ReLU into one module each.
+
+    Parameters
+    ----------
+    module : torch.nn.Module
+        The model. Its children are changed in place.
+    fuse : bool
+        Also rewrite each batch norm whose output goes only to a ReLU into a
+        :class:`BatchNormReLU2d` (1d/3d), and each whose output goes only to an addition whose
+        sum goes only to a ReLU (a residual block's ``relu(bn2(conv2(x)) + shortcut)``) into a
+        :class:`BatchNormAddReLU2d` (1d/3d). Default False.
+
+    Returns
+    -------
+    torch.nn.Module
+        The model: ``module`` itself, except when ``module`` is a batch norm (a new module),
+        or when ``fuse=True`` fused something in ``module``'s own forward (a
+        :class:`torch.fx.GraphModule`, see below).
+
+    Notes
+    -----
     Parameters and buffers are kept (the same tensor objects), as are the training flag and
-    forward hooks. Only exact instances of PyTorch's three classes are replaced: subclasses,
-    ``SyncBatchNorm`` and lazy modules are left alone. Works in place on the children and
-    returns the model (a new object only when ``module`` itself is a batch norm), like
+    forward hooks: an optimizer built before the conversion still trains the model. Only
+    exact instances of PyTorch's three classes are replaced: subclasses, ``SyncBatchNorm``
+    and lazy modules are left alone. Without ``fuse``, works like
     :meth:`torch.nn.SyncBatchNorm.convert_sync_batchnorm`.
+
+    **Fusion** uses ``torch.fx`` symbolic tracing, because the pairs to fuse are mostly
+    written in forward code (``torch.relu(out + identity)``, ``out += identity``,
+    ``self.relu(out)``), which a pattern over modules cannot see; fx also makes "is this
+    output used elsewhere" exact. ReLU as ``nn.ReLU`` (in place or not), ``torch.relu(_)``,
+    ``F.relu(_)`` (``inplace=True`` too) and ``Tensor.relu(_)``; the add as ``+``, ``+=``,
+    ``torch.add`` or ``Tensor.add(_)`` without ``alpha``. A module whose forward had
+    something fused becomes a :class:`torch.fx.GraphModule` running the rewritten graph, with
+    the original children (all of them, in order): the fused module sits at the batch norm's
+    path, so ``state_dict`` keys, tensor objects and parameter order do not change (calling
+    that submodule directly now applies the ReLU too). A GraphModule has no methods of the
+    original class other than ``forward``.
+
+    Not fused, each for the reason stated: a batch norm whose output (or whose sum) is used
+    anywhere besides the ReLU (or the add), one called more than once, one with forward
+    hooks, an in-place add that writes into the other operand (``identity.add_(out)``), an
+    add of a tensor made from parameters, buffers or constants only (it could broadcast), an
+    in-place write into batch norm's input before the ReLU. The fused module takes a side
+    input of the batch norm's shape and dtype: a sum that broadcasts or promotes a tensor
+    computed from the input is not detected and raises at the first call (use
+    ``fuse=False`` for such a model). Where fx cannot trace a forward (data-dependent control flow,
+    or control flow on ``self.training``, which fx would freeze), that module is kept and its
+    children are traced one by one; an ``nn.Sequential`` that cannot be traced gets its
+    adjacent [BatchNorm, ReLU] children fused by module pattern (the ReLU's slot then holds
+    a pass-through). Everything not fused is still converted to bngrad's batch norm.
+
+    **Report:** the result carries ``bngrad_fusion_report``, a
+    :class:`bngrad.torch.FusionReport` listing every batch norm fused (with what) and not
+    fused (why), and every module that could not be traced. When a ReLU or an add followed a
+    batch norm but was refused, or a module could not be traced, the report is also issued as
+    a :class:`bngrad.torch.FusionWarning`.
+
+    Raises
+    ------
+    TypeError
+        ``module`` is not a ``torch.nn.Module``, or ``fuse`` not a bool.
     """
-    return _swap(module, _TO_BNGRAD)
+    _check_module(module, "convert")
+    if not isinstance(fuse, bool):
+        raise ArgumentTypeError(f"bngrad.torch.convert: argument 'fuse' must be a bool, got "
+                                f"{type(fuse).__name__}")
+    module = _swap(module, _TO_BNGRAD)
+    if fuse:
+        from ._fuse import fuse_model  # here: _fuse imports the fused modules, which import us
+        module = fuse_model(module)
+    return module
 
 
 def revert(module: nn.Module) -> nn.Module:
-    """Replace every bngrad ``BatchNorm1d/2d/3d`` in ``module`` with PyTorch's (see
-    :func:`convert`)."""
-    return _swap(module, _TO_TORCH)
+    """Replace every bngrad ``BatchNorm1d/2d/3d`` in ``module`` with PyTorch's, and undo
+    ``convert(..., fuse=True)``.
+
+    Fused modules called in a :class:`torch.fx.GraphModule`'s graph become PyTorch's batch
+    norm followed by ``torch.relu`` (and ``operator.add`` of the side input) in the graph;
+    the module-pattern fallback's pass-throughs become ``nn.ReLU`` again. The model stays a
+    GraphModule where ``convert`` made one. Fused modules elsewhere (built by hand into your
+    own forward code) are left as they are, with a :class:`bngrad.torch.FusionWarning`:
+    their ReLU cannot be put back into arbitrary code. Parameters and buffers are kept
+    (the same objects), as by :func:`convert`.
+
+    Raises
+    ------
+    TypeError
+        ``module`` is not a ``torch.nn.Module``.
+    """
+    _check_module(module, "revert")
+    from ._fuse import unfuse_model
+    return _swap(unfuse_model(module), _TO_TORCH)

@@ -1,0 +1,527 @@
+"""bngrad.torch.convert(model, fuse=True) and revert: BN→ReLU and BN→add→ReLU fused in
+ResNet-style models by torch.fx, checked against the unconverted PyTorch model (outputs,
+gradients, running statistics, optimizer steps), state_dict kept, revert back to plain
+PyTorch, and every fallback with its report."""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import sys
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.fx as fx  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+import bngrad.torch as bt  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "benchmarks"))
+import models  # noqa: E402  (benchmarks/models.py: ResNet-18 / ResNet-20)
+
+FUSED_RELU = (bt.BatchNormReLU1d, bt.BatchNormReLU2d, bt.BatchNormReLU3d)
+FUSED_ADD = (bt.BatchNormAddReLU1d, bt.BatchNormAddReLU2d, bt.BatchNormAddReLU3d)
+LAYOUTS = {"contig": torch.contiguous_format, "chlast": torch.channels_last}
+TOL = {torch.float64: 1e-10, torch.float32: 2e-4}
+
+
+# --- models -----------------------------------------------------------------------------------
+
+class TVBlock(nn.Module):
+    """torchvision's BasicBlock: one shared nn.ReLU(inplace=True), ``out += identity``, a
+    1x1 conv + BN downsample."""
+
+    def __init__(self, inplanes, planes, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample = None
+        if stride != 1 or inplanes != planes:
+            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False),
+                                            nn.BatchNorm2d(planes))
+
+    def forward(self, x):
+        identity = x
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class TVNet(nn.Module):
+    def __init__(self, width=4):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
+                                  nn.BatchNorm2d(width), nn.ReLU(inplace=True))
+        self.layer1 = nn.Sequential(TVBlock(width, width), TVBlock(width, 2 * width, 2))
+        self.fc = nn.Linear(2 * width, 5)
+
+    def forward(self, x):
+        x = self.layer1(self.stem(x))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class MLP(nn.Module):
+    """BatchNorm1d followed by F.relu, then a residual add with Tensor.add and x.relu_()."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(6, 8), nn.BatchNorm1d(8)
+        self.fc2, self.bn2 = nn.Linear(8, 8), nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.fc1(x)))
+        return self.bn2(self.fc2(h)).add(h).relu_()
+
+
+class Net3d(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv3d(2, 4, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm3d(4)
+
+    def forward(self, x):
+        return torch.relu_(self.bn(self.conv(x)))
+
+
+def _resnet20():
+    return models.resnet20(10, width=4)
+
+
+# name: (builder, input shape, 2-d convolutions: the layout matters)
+MODELS = {"torchvision-block": (TVNet, (4, 3, 8, 8), True),
+          "resnet20": (_resnet20, (4, 3, 16, 16), True),
+          "mlp-1d": (MLP, (6, 6), False),
+          "conv-3d": (Net3d, (3, 2, 4, 4, 4), False)}
+# (model, fused BN+ReLU, fused BN+add+ReLU)
+COUNTS = {"torchvision-block": (3, 2), "resnet20": (10, 9), "mlp-1d": (1, 1),
+          "conv-3d": (1, 0)}
+
+
+def _count(model, classes):
+    return sum(isinstance(m, classes) for m in model.modules())
+
+
+def _bngrad_modules(model):
+    return [name for name, m in model.named_modules() if type(m).__module__.startswith("bngrad")]
+
+
+def _build(name, dtype, layout):
+    build, shape, is_2d = MODELS[name]
+    torch.manual_seed(0)
+    model = build().to(dtype)
+    x = torch.randn(shape, dtype=dtype)
+    if is_2d:
+        model, x = model.to(memory_format=LAYOUTS[layout]), x.to(memory_format=LAYOUTS[layout])
+    with torch.no_grad():  # batch norms with non-trivial affine parameters and statistics
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.3, 0.3)
+                m.running_mean.uniform_(-0.2, 0.2)
+                m.running_var.uniform_(0.5, 2.0)
+    return model, x
+
+
+def _fuse(model):
+    """convert(fuse=True) of a copy, asserting that it warned about nothing."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", bt.FusionWarning)
+        return bt.convert(copy.deepcopy(model), fuse=True)
+
+
+def _assert_close(actual, expected, tol, what):
+    # relative to the tensor's scale: gradients through batch norm cancel elementwise
+    scale = max(expected.abs().max().item(), 1.0)
+    torch.testing.assert_close(actual, expected, rtol=tol, atol=tol * scale, msg=what)
+
+
+def _forward_backward(model, x):
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    g = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    out.backward(g)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    return out.detach(), x.grad, grads
+
+
+# --- equivalence with PyTorch -----------------------------------------------------------------
+
+CASES = [(name, dtype, layout, mode)
+         for name, (_, _, is_2d) in MODELS.items()
+         for dtype in (torch.float64, torch.float32)
+         for layout in (("contig", "chlast") if is_2d else ("contig",))
+         for mode in ("train", "eval")]
+
+
+@pytest.mark.parametrize("name,dtype,layout,mode", CASES,
+                         ids=[f"{n}-{str(d)[6:]}-{lay}-{m}" for n, d, lay, m in CASES])
+def test_fused_model_matches_torch(name, dtype, layout, mode):
+    ref, x = _build(name, dtype, layout)
+    ref.train(mode == "train")
+    ours = _fuse(ref)
+    n_relu, n_add = COUNTS[name]
+    assert (_count(ours, FUSED_RELU), _count(ours, FUSED_ADD)) == (n_relu, n_add)
+    assert len(ours.bngrad_fusion_report.fused) == n_relu + n_add
+    assert ours.training == ref.training
+
+    out_ref, gx_ref, grads_ref = _forward_backward(ref, x)
+    out, gx, grads = _forward_backward(ours, x)
+    tol = TOL[dtype]
+    _assert_close(out, out_ref, tol, "output")
+    _assert_close(gx, gx_ref, tol, "grad of the input")
+    assert list(grads) == list(grads_ref)
+    for key in grads:
+        _assert_close(grads[key], grads_ref[key], tol, f"grad of {key}")
+    for (key, v), v_ref in zip(ours.state_dict().items(), ref.state_dict().values()):
+        _assert_close(v.double(), v_ref.double(), tol, f"{key} after the step")
+
+
+def test_state_dict_keys_order_and_objects_kept():
+    ref, _ = _build("torchvision-block", torch.float32, "contig")
+    before = ref.state_dict(keep_vars=True)
+    params = list(ref.parameters())
+    ours = bt.convert(ref, fuse=True)
+    after = ours.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    assert all(after[k] is before[k] for k in before)
+    assert list(ours.parameters()) == params or all(
+        a is b for a, b in zip(ours.parameters(), params))
+    assert isinstance(ours, fx.GraphModule)
+    # a checkpoint of the unconverted model loads into the fused one, and back
+    ours.load_state_dict(copy.deepcopy(before))
+    ref2, _ = _build("torchvision-block", torch.float32, "contig")
+    ref2.load_state_dict(ours.state_dict())
+
+
+def test_uncalled_modules_and_registration_order_survive_copies():
+    class Unordered(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(2, 2)  # registered first, never called
+            self.bn = nn.BatchNorm2d(3)
+            self.conv = nn.Conv2d(3, 3, 1)  # called before bn
+            self.register_buffer("extra", torch.ones(2))
+
+        def forward(self, x):
+            return torch.relu(self.bn(self.conv(x)))
+
+    ref = Unordered()
+    keys = list(ref.state_dict())
+    ours = _fuse(ref)
+    assert isinstance(ours.bn, bt.BatchNormReLU2d)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    for model in (ours, copy.deepcopy(ours), torch.load(buffer, weights_only=False)):
+        assert list(model.state_dict()) == keys
+        assert [n for n, _ in model.named_children()] == ["unused", "bn", "conv"]
+
+
+def test_optimizer_built_before_conversion_still_trains():
+    ref, x = _build("resnet20", torch.float64, "contig")
+    model = copy.deepcopy(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model = bt.convert(model, fuse=True)
+    labels = torch.arange(x.shape[0]) % 10
+    for _ in range(2):
+        for m, o in ((ref, opt_ref), (model, opt)):
+            o.zero_grad()
+            F.cross_entropy(m(x), labels).backward()
+            o.step()
+    changed = False
+    for (key, p), p_ref, p0 in zip(model.named_parameters(), ref.parameters(),
+                                   _build("resnet20", torch.float64, "contig")[0].parameters()):
+        _assert_close(p.detach(), p_ref.detach(), 1e-9, key)
+        changed |= not torch.equal(p.detach(), p0)
+    assert changed
+
+
+@pytest.mark.parametrize("name", ["torchvision-block", "resnet20", "mlp-1d"])
+def test_revert_gives_plain_pytorch(name):
+    ref, x = _build(name, torch.float64, "contig")
+    before = ref.state_dict(keep_vars=True)
+    ours = _fuse(ref)
+    back = bt.revert(ours)
+    assert _bngrad_modules(back) == []
+    assert not hasattr(back, "bngrad_fusion_report")
+    after = back.state_dict(keep_vars=True)
+    assert list(after) == list(before)
+    assert all(after[k] is ours.state_dict(keep_vars=True)[k] for k in after)
+    n_bn = _count(ref, nn.modules.batchnorm._BatchNorm)
+    assert _count(back, nn.modules.batchnorm._BatchNorm) == n_bn
+    # the ReLUs and adds are separate ops again
+    code = back.code
+    assert code.count("torch.relu(") == sum(COUNTS[name])
+    out_ref, gx_ref, grads_ref = _forward_backward(ref, x)
+    out, gx, grads = _forward_backward(back, x)
+    _assert_close(out, out_ref, 1e-10, "output after revert")
+    _assert_close(gx, gx_ref, 1e-10, "grad after revert")
+    # and it can be converted again
+    again = _fuse(back)
+    assert _count(again, FUSED_RELU + FUSED_ADD) == sum(COUNTS[name])
+
+
+# --- the forms of ReLU and add that fuse ------------------------------------------------------
+
+RELUS = {"nn.ReLU": lambda m, t: m.relu(t), "nn.ReLU-inplace": lambda m, t: m.relu_inplace(t),
+         "torch.relu": lambda m, t: torch.relu(t), "torch.relu_": lambda m, t: torch.relu_(t),
+         "F.relu": lambda m, t: F.relu(t), "F.relu-inplace": lambda m, t: F.relu(t, inplace=True),
+         "F.relu_": lambda m, t: F.relu_(t), "Tensor.relu": lambda m, t: t.relu(),
+         "Tensor.relu_": lambda m, t: t.relu_()}
+ADDS = {"+": lambda a, b: a + b, "+=": None, "torch.add": lambda a, b: torch.add(a, b),
+        "Tensor.add": lambda a, b: a.add(b), "Tensor.add_": lambda a, b: a.add_(b),
+        "side + bn": lambda a, b: b + a}
+
+
+class Form(nn.Module):
+    def __init__(self, relu, add):
+        super().__init__()
+        self.bn1, self.bn2 = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+        self.relu, self.relu_inplace = nn.ReLU(), nn.ReLU(inplace=True)
+        self.relu_form, self.add_form = relu, add
+
+    def forward(self, x):
+        h = RELUS[self.relu_form](self, self.bn1(x))
+        out = self.bn2(h * 2)
+        if self.add_form == "+=":
+            out += h
+        else:
+            out = ADDS[self.add_form](out, h)
+        return RELUS[self.relu_form](self, out)
+
+
+@pytest.mark.parametrize("add", list(ADDS))
+@pytest.mark.parametrize("relu", list(RELUS))
+def test_relu_and_add_forms_fuse(relu, add):
+    torch.manual_seed(0)
+    ref = Form(relu, add).double()
+    x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+    ours = _fuse(ref)
+    assert _count(ours, FUSED_RELU) == 1 and _count(ours, FUSED_ADD) == 1
+    out_ref, gx_ref, grads_ref = _forward_backward(ref, x)
+    out, gx, grads = _forward_backward(ours, x)
+    _assert_close(out, out_ref, 1e-10, "output")
+    _assert_close(gx, gx_ref, 1e-10, "grad")
+    for key in grads:
+        _assert_close(grads[key], grads_ref[key], 1e-10, key)
+
+
+def test_relu_output_used_twice_still_fuses():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            y = torch.relu(self.bn(x))
+            return y * y + y
+
+    torch.manual_seed(0)
+    ref = M().double()
+    ours = _fuse(ref)
+    assert _count(ours, FUSED_RELU) == 1
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    _assert_close(ours(x), ref(x), 1e-10, "output")
+
+
+# --- fallbacks ---------------------------------------------------------------------------------
+
+class Refused(nn.Module):
+    def __init__(self, case):
+        super().__init__()
+        self.bn, self.case = nn.BatchNorm2d(3), case
+
+    def forward(self, x):
+        y = self.bn(x)
+        if self.case == "bn-used-twice":
+            return torch.relu(y) + y
+        if self.case == "bn-added-to-itself":
+            return torch.relu(y + y)
+        if self.case == "sum-used-twice":
+            s = y + x
+            return torch.relu(s) * s
+        if self.case == "inplace-add-into-side":
+            side = x * 2
+            side.add_(y)
+            return torch.relu(side) + side
+        if self.case == "input-written-before-relu":
+            side = x * 3
+            x.mul_(2)
+            return torch.relu(y + side)
+        if self.case == "add-of-attribute":
+            return torch.relu(y + self.bn.bias.view(1, -1, 1, 1))
+        raise AssertionError(self.case)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("bn-used-twice", "output is used 2 times"),
+    ("bn-added-to-itself", "output is used 2 times"),
+    ("sum-used-twice", "sum is used 2 times"),
+    ("inplace-add-into-side", "in-place add"),
+    ("input-written-before-relu", "writes into its input"),
+    ("add-of-attribute", "computed from parameters"),
+])
+def test_refused_patterns_fall_back_with_a_warning(case, message):
+    torch.manual_seed(0)
+    ref = Refused(case).double()
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    with pytest.warns(bt.FusionWarning, match=message):
+        ours = bt.convert(copy.deepcopy(ref), fuse=True)
+    assert _count(ours, FUSED_RELU + FUSED_ADD) == 0
+    assert isinstance(ours.bn, bt.BatchNorm2d)  # still converted
+    (name, why, refused), = ours.bngrad_fusion_report.unfused
+    assert name == "bn" and message in why and refused
+    _assert_close(ours(x.clone()), ref(x.clone()), 1e-10, "output")
+
+
+def test_hooks_and_shared_modules_are_not_fused():
+    class Shared(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn, self.hooked = nn.BatchNorm2d(3), nn.BatchNorm2d(3)
+
+        def forward(self, x):
+            return torch.relu(self.bn(x)) + torch.relu(self.bn(x * 2)) + torch.relu(
+                self.hooked(x))
+
+    torch.manual_seed(0)
+    ref = Shared().double()
+    seen = []
+    ref.hooked.register_forward_hook(lambda m, i, o: seen.append(o.min().item()))
+    with pytest.warns(bt.FusionWarning, match="forward hooks"):
+        ours = bt.convert(copy.deepcopy(ref), fuse=True)
+    report = ours.bngrad_fusion_report
+    assert report.fused == []
+    assert {n: why for n, why, _ in report.unfused}["bn"].startswith("the module is called 2")
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    _assert_close(ours(x), ref(x), 1e-10, "output")
+    assert seen[0] < 0 and seen[1] < 0  # the hook saw batch norm's output, not the ReLU's
+
+
+class DataDependent(nn.Module):
+    """A forward fx cannot trace (control flow on a tensor's value) around traceable blocks."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = TVBlock(3, 3)
+        self.bn = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            x = x * 2
+        return torch.relu(self.bn(self.block(x)))
+
+
+class TrainingBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = TVBlock(3, 3)
+
+    def forward(self, x):
+        if self.training:
+            x = x + 1
+        return self.block(x)
+
+
+@pytest.mark.parametrize("cls,why", [(DataDependent, "TraceError"),
+                                     (TrainingBranch, "train and eval mode")])
+def test_untraceable_forward_fuses_its_children(cls, why):
+    torch.manual_seed(0)
+    ref = cls().double()
+    with pytest.warns(bt.FusionWarning, match="not traced"):
+        ours = bt.convert(copy.deepcopy(ref), fuse=True)
+    assert type(ours) is cls  # kept; its traceable child became a GraphModule
+    assert isinstance(ours.block, fx.GraphModule)
+    report = ours.bngrad_fusion_report
+    assert [n for n, _ in report.untraced] == [""] and why in report.untraced[0][1]
+    assert sorted(n for n, _ in report.fused) == ["block.bn1", "block.bn2"]
+    if cls is DataDependent:
+        assert isinstance(ours.bn, bt.BatchNorm2d)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    for mode in (True, False):
+        ref.train(mode)
+        ours.train(mode)
+        _assert_close(ours(x), ref(x), 1e-10, f"output, training={mode}")
+    assert _bngrad_modules(bt.revert(ours)) == []
+
+
+class Untraceable(nn.Module):
+    def forward(self, x):
+        return x if x.sum() > 0 else -x
+
+
+def test_untraceable_sequential_fuses_bn_relu_pairs_by_module_pattern():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.ReLU(inplace=True),
+                        Untraceable(), nn.BatchNorm2d(3), nn.Identity()).double()
+    with pytest.warns(bt.FusionWarning, match="not traced"):
+        ours = bt.convert(copy.deepcopy(ref), fuse=True)
+    assert type(ours) is nn.Sequential and isinstance(ours[1], bt.BatchNormReLU2d)
+    assert isinstance(ours[4], bt.BatchNorm2d)
+    assert [n for n, _ in ours.bngrad_fusion_report.fused] == ["1"]
+    x = torch.randn(2, 2, 3, 3, dtype=torch.float64)
+    _assert_close(ours(x), ref(x), 1e-10, "output")
+    back = bt.revert(ours)
+    assert type(back[2]) is nn.ReLU and back[2].inplace
+    assert _bngrad_modules(back) == []
+    assert list(back.state_dict()) == list(ref.state_dict())
+    _assert_close(back(x), ref(x), 1e-10, "output after revert")
+
+
+def test_nothing_to_fuse_keeps_the_model_class_and_is_quiet():
+    ref = nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.Conv2d(3, 3, 1))
+    ours = _fuse(ref)
+    assert type(ours) is nn.Sequential and isinstance(ours[1], bt.BatchNorm2d)
+    (name, why, refused), = ours.bngrad_fusion_report.unfused
+    assert name == "1" and not refused and "not a ReLU" in why
+    assert "0 batch norm(s) fused, 1 not" in str(ours.bngrad_fusion_report)
+
+
+def test_revert_leaves_hand_built_fused_modules_with_a_warning():
+    class Hand(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = bt.BatchNormReLU2d(3)
+
+        def forward(self, x):
+            return self.bn(x)
+
+    with pytest.warns(bt.FusionWarning, match="bn left as they are"):
+        back = bt.revert(Hand())
+    assert isinstance(back.bn, bt.BatchNormReLU2d)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="argument 'module' must be a torch.nn.Module, got list"):
+        bt.convert([nn.BatchNorm2d(3)], fuse=True)
+    with pytest.raises(TypeError, match="argument 'module' must be a torch.nn.Module, got str"):
+        bt.revert("model")
+    with pytest.raises(TypeError, match="argument 'fuse' must be a bool, got int"):
+        bt.convert(nn.BatchNorm2d(3), fuse=1)
+
+
+def test_torch_compile_of_a_fused_model():
+    ref, x = _build("torchvision-block", torch.float32, "chlast")
+    ours = _fuse(ref)
+    eager_out, eager_gx, eager_grads = _forward_backward(ours, x)
+    ours = _fuse(ref)  # the same start: the first call moved the running statistics
+    compiled = torch.compile(ours, backend="aot_eager")
+    out, gx, grads = _forward_backward(compiled, x)
+    grads = {key.removeprefix("_orig_mod."): g for key, g in grads.items()}
+    assert list(grads) == list(eager_grads)
+    _assert_close(out, eager_out, 1e-5, "compiled output")
+    _assert_close(gx, eager_gx, 1e-5, "compiled grad")
+    for key in grads:
+        _assert_close(grads[key], eager_grads[key], 1e-5, key)
