@@ -525,3 +525,13 @@ def test_torch_compile_of_a_fused_model():
     _assert_close(gx, eager_gx, 1e-5, "compiled grad")
     for key in grads:
         _assert_close(grads[key], eager_grads[key], 1e-5, key)
+
+
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_torch_export_of_a_fused_model(mode):
+    ref, x = _build("torchvision-block", torch.float32, "contig")
+    ref.train(mode == "train")
+    exported = torch.export.export(_fuse(ref), (x,))
+    targets = {str(n.target) for n in exported.graph.nodes}
+    assert "bngrad.batch_norm_relu_forward.default" in targets
+    _assert_close(exported.module()(x), _fuse(ref)(x), 1e-5, "exported output")
