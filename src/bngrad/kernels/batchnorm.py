@@ -26,8 +26,10 @@ import numpy as np
 from numba import njit, prange, types
 from numba.extending import overload
 
+from ._cache import install as _install_cache_locator
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, elementwise, finish, take
 
+_install_cache_locator()  # before the first cached kernel is defined (kernels._cache)
 _JIT: dict[str, Any] = dict(cache=True, nogil=True)
 
 

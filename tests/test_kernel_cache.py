@@ -1,0 +1,78 @@
+"""Numba's disk cache of the kernels follows the sources they inline (bngrad.kernels._cache)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+from numba.core.caching import CacheImpl
+
+import bngrad.kernels  # noqa: F401  (installs the locator)
+from bngrad.kernels import _cache, batchnorm
+
+
+def _locator(dispatcher):
+    return dispatcher._cache._impl.locator
+
+
+def test_kernels_are_stamped_with_the_inlined_sources():
+    locator = _locator(batchnorm.reduce_runs)
+    assert isinstance(locator, _cache.InlinedSourcesLocator)
+    paths = tuple(os.path.join(_cache.HERE, name) for name in _cache.INLINED)
+    assert locator.get_source_stamp()[1] == _cache.sources_stamp(paths)
+    assert locator.get_cache_path()  # the wrapped locator still answers the rest
+
+
+def test_the_stamp_changes_with_any_inlined_file(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 1\n")
+    b.write_text("y = 1\n")
+    before = _cache.sources_stamp((str(a), str(b)))
+    b.write_text("y = 2\n")
+    assert _cache.sources_stamp((str(a), str(b))) != before
+
+
+def test_functions_elsewhere_keep_numbas_own_locator(tmp_path):
+    module = tmp_path / "elsewhere.py"
+    module.write_text("")
+    assert _cache.InlinedSourcesLocator.from_function(None, str(module)) is None
+    assert CacheImpl._locator_classes.count(_cache.InlinedSourcesLocator) == 1
+
+
+def test_an_edit_to_an_inlined_file_recompiles(tmp_path):
+    """A copy of the kernels package whose _ops.py changes after a first, cached compile: the
+    second process must see the change (before kernels._cache it kept the stale kernel)."""
+    package = tmp_path / "pkg"
+    kernels_dir = os.path.dirname(batchnorm.__file__)
+    code = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from numba import njit
+        from kernels_copy import _cache
+        _cache.install()
+        from kernels_copy._ops import take
+        @njit(cache=True)
+        def first(a):
+            return take(a, 0)
+        import numpy as np
+        print(first(np.arange(3.0) + 1))
+        """)
+    (package / "kernels_copy").mkdir(parents=True)
+    source = open(os.path.join(kernels_dir, "_cache.py")).read()
+    (package / "kernels_copy" / "_cache.py").write_text(source)
+    (package / "kernels_copy" / "__init__.py").write_text("")
+    (package / "kernels_copy" / "_elements.py").write_text("")
+    ops = "from numba.extending import overload\n\ndef take(a, i):\n    pass\n\n" \
+          "@overload(take, inline='always')\ndef _take(a, i):\n    return lambda a, i: a[i]{}\n"
+    (package / "kernels_copy" / "_ops.py").write_text(ops.format(""))
+    script = package / "kernels_copy" / "user.py"
+    script.write_text(code)
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}  # the in-tree cache
+
+    def run():
+        return subprocess.run([sys.executable, str(script), str(package)], env=env,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert run() == "1.0"
+    assert run() == "1.0"  # from the cache
+    (package / "kernels_copy" / "_ops.py").write_text(ops.format(" * 10"))
+    assert run() == "10.0"
