@@ -47,7 +47,8 @@ class InlinedSourcesLocator:
     def from_function(cls, py_func: Any, py_file: str) -> Optional[InlinedSourcesLocator]:
         if os.path.dirname(os.path.abspath(py_file)) != HERE:
             return None
-        for locator_class in CacheImpl._locator_classes:
+        locator_classes: list[Any] = CacheImpl._locator_classes
+        for locator_class in locator_classes:
             if locator_class is not cls:
                 inner = locator_class.from_function(py_func, py_file)
                 if inner is not None:
@@ -58,4 +59,5 @@ class InlinedSourcesLocator:
 def install() -> None:
     """Put the locator first in Numba's list (once)."""
     if InlinedSourcesLocator not in CacheImpl._locator_classes:
-        CacheImpl._locator_classes.insert(0, InlinedSourcesLocator)  # type: ignore[arg-type]
+        locator_classes: list[Any] = CacheImpl._locator_classes
+        locator_classes.insert(0, InlinedSourcesLocator)
