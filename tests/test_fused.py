@@ -50,11 +50,26 @@ def _case(variant, layout, train, with_side, seed, shape=SHAPE):
                 z=None if z is None else to_layout(z, z_l, ax), params=p, train=train, axis=ax)
 
 
-def _unpack(bits, shape):
-    """The documented 'bits' format, decoded independently of bngrad."""
-    n = int(np.prod(shape))
+def _memory_order(x):
+    """The documented element order of a 'bits' mask of x: the axes by decreasing stride where
+    x is dense in that order, else C order (computed here independently of bngrad)."""
+    order = sorted(range(x.ndim), key=lambda axis: -x.strides[axis])
+    dense = x.itemsize
+    for axis in reversed(order):
+        if x.shape[axis] > 1 and x.strides[axis] != dense:
+            return list(range(x.ndim))
+        dense *= x.shape[axis]
+    return order
+
+
+def _unpack(bits, x):
+    """The documented 'bits' format, decoded independently of bngrad: element i of x's memory
+    order is bit i % 8 of byte i // 8."""
+    order = _memory_order(x)
+    n = x.size
     flat = [(int(bits[i // 8]) >> (i % 8)) & 1 for i in range(n)]
-    return np.array(flat, dtype=bool).reshape(shape)
+    in_memory = np.array(flat, dtype=bool).reshape([x.shape[axis] for axis in order])
+    return in_memory.transpose(np.argsort(order))
 
 
 def _check_forward(case, mask_format, num_threads=None):
@@ -86,10 +101,13 @@ def _check_forward(case, mask_format, num_threads=None):
     positive = out.astype(np.float64) > 0
     if mask_format == "bits":
         assert mask.dtype == np.uint8 and mask.shape == ((x.size + 7) // 8,)
-        np.testing.assert_array_equal(_unpack(mask, x.shape), positive)
+        np.testing.assert_array_equal(_unpack(mask, x), positive)
     elif mask_format == "bytes":
         assert mask.dtype == np.bool_ and mask.shape == x.shape
         np.testing.assert_array_equal(mask, positive)
+        if _memory_order(x) != list(range(x.ndim)):  # laid out as input, where input is dense
+            assert np.argsort(mask.strides, kind="stable").tolist() == np.argsort(
+                x.strides, kind="stable").tolist()
     else:
         assert mask is None
     return out, mean, invstd, mask
@@ -197,6 +215,44 @@ def test_activation_none_is_batch_norm_plus_side_input(variant, train):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay[0])
+@pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])
+def test_add_rounds_as_the_unfused_sequence(variant, layout, train):
+    """The fused add form gives the bits of batch norm, then the add in the data type (the
+    batch-norm value rounded to it first, as PyTorch's separate ops), then the ReLU."""
+    case = _case(variant, layout, train, True, _seed("sequence", variant, layout, train))
+    p, x, z = case["params"], case["x"], case["z"]
+    args = (x, p["weight"], p["bias"], p["running_mean"].copy(), p["running_var"].copy(), train)
+    got = bngrad.batch_norm_relu_forward(*args, side_input=z, channel_axis=case["axis"])
+    bn = bngrad.batch_norm_forward(*args, channel_axis=case["axis"])[0]
+    added = (bn.astype(np.float32) + z.astype(np.float32)).astype(x.dtype)  # one rounding
+    if x.dtype == np.float64:
+        added = bn + z
+    expected = np.where(added.astype(np.float64) > 0, added, np.zeros((), x.dtype))
+    bits = [np.ascontiguousarray(a).view(np.uint8) for a in (got[0], expected)]
+    np.testing.assert_array_equal(*bits)
+    np.testing.assert_array_equal(_unpack(got[3], x), expected.astype(np.float64) > 0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda lay: lay[0])
+def test_mask_order_and_unpack_mask(layout):
+    """The public helpers follow the documented order: NHWC memory lists channels innermost."""
+    case = _case("float32", layout, True, True, _seed("unpack", layout))
+    x = case["x"]
+    out, _, _, bits = bngrad.batch_norm_relu_forward(x, side_input=case["z"],
+                                                     channel_axis=case["axis"])
+    assert list(bngrad.fused.mask_order(x)) == _memory_order(x)
+    if layout[0] == "nhwc":
+        assert bngrad.fused.mask_order(x) == (0, 2, 3, 1)
+    passes = bngrad.fused.unpack_mask(bits, x)
+    np.testing.assert_array_equal(passes, out > 0)
+    np.testing.assert_array_equal(passes, _unpack(bits, x))
+    assert bngrad.fused.unpack_mask(passes, x) is passes
+    with pytest.raises(ValueError, match="relu_mask: a uint8 mask"):
+        bngrad.fused.unpack_mask(bits[:-1], x)
+
+
 @pytest.mark.parametrize("output_mask", list(itertools.product((True, False), repeat=4)),
                          ids=lambda m: "mask" + "".join("1" if b else "0" for b in m))
 def test_every_output_mask(output_mask):
@@ -236,7 +292,7 @@ def test_ties_at_zero_block_the_gradient(variant):
         mask = bngrad.batch_norm_relu_forward(x, None, None, rm, rv, False, 0.1, 0.0,
                                               side_input=side, mask_format="bytes")[3]
         np.testing.assert_array_equal(out.astype(np.float64), np.maximum(pre, 0))
-        np.testing.assert_array_equal(_unpack(bits, x.shape), pre > 0)
+        np.testing.assert_array_equal(_unpack(bits, x), pre > 0)
         for given in ({"output": out}, {"relu_mask": bits}, {"relu_mask": mask}):
             gi, _, _, gz = bngrad.batch_norm_relu_backward(dy, x, None, rm, rv, None, None,
                                                            False, 0.0, **given)

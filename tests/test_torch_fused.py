@@ -72,15 +72,22 @@ def test_opcheck_batch_norm_relu_backward(case):
     torch.library.opcheck(torch.ops.bngrad.batch_norm_relu_backward.default, _BACKWARD[case])
 
 
-def test_op_mask_is_the_documented_bits():
-    x = _t((2, 3, 5), seed=1)
-    z = _t((2, 3, 5), seed=2, shift=-0.5)
+@pytest.mark.parametrize("layout", ["contig", "chlast"])
+def test_op_mask_is_the_documented_bits(layout):
+    """Bit i % 8 of byte i // 8 is element i of the input's memory order (NCHW: C order;
+    channels-last: N, H, W, C); unpack_mask decodes it."""
+    x = _t((2, 3, 5, 3), seed=1)
+    z = _t((2, 3, 5, 3), seed=2, shift=-0.5)
+    if layout == "chlast":
+        x, z = _chlast(x), _chlast(z)
     out, *_, mask = torch.ops.bngrad.batch_norm_relu_forward(x, None, None, None, None, z, True,
                                                              0.1, 1e-5, "relu")
-    assert mask.dtype == torch.uint8 and mask.shape == (4,)
-    flat = out.reshape(-1) > 0
+    assert mask.dtype == torch.uint8 and mask.shape == ((x.numel() + 7) // 8,)
+    in_memory = out.permute(0, 2, 3, 1) if layout == "chlast" else out
+    flat = in_memory.reshape(-1) > 0
     for i in range(x.numel()):
         assert bool((int(mask[i // 8]) >> (i % 8)) & 1) == bool(flat[i]), i
+    assert torch.equal(bt.fused.unpack_mask(mask, x), out > 0)
 
 
 # --- finite differences, float64, both paths ---------------------------------------------------

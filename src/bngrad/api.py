@@ -158,13 +158,15 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
 
 def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
              train: Any, momentum: Any, eps: Any, channel_axis: Any, num_threads: Any,
-             out: Optional[Array], side_input: Optional[Array] = None, relu: bool = False
-             ) -> Tuple[Array, Array, Array, Optional[Array]]:
+             out: Optional[Array], side_input: Optional[Array] = None,
+             relu: Optional[str] = None) -> Tuple[Array, Array, Array, Optional[Array]]:
     """batch_norm_forward, and the operands of bngrad.fused's variant, in its normalize pass:
     ``side_input`` (input's shape and dtype, any layout, checked by the caller) is added, and
-    with ``relu`` the ReLU is applied and its mask written. Returns (output, save_mean,
-    save_invstd, mask): mask, with ``relu``, is uint8 (1: the output is not <= 0) of input's
-    shape in the output's axis order; else None."""
+    with ``relu`` ("bytes" or "bits", the mask's format) the ReLU is applied and its mask
+    written. Returns (output, save_mean, save_invstd, mask): mask, for "bytes", is uint8 (1:
+    the output passes) of input's shape laid out in the kernels' memory order (input's, or C
+    order); for "bits", 1-D uint8, one bit per element in that memory order (kernels'
+    docstring); else None."""
     input = check.data_array("input", input)
     axis = check.channel_axis(channel_axis, input.ndim)
     train = check.boolean("train", train)
@@ -192,9 +194,12 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
         layout = plan(input, None, axis)
         out_kernel, output = layout.output(input.shape, input.dtype, out)
         z = None if side_input is None else layout.canonical(side_input)
-        mask_kernel: Optional[Array] = None
+        mask_kernel: kernels.Aux = None
         mask: Optional[Array] = None
-        if relu:  # the mask bytes select the ReLU in the kernels (kernels._ops.finish)
+        if relu == "bits":  # the mask selects the ReLU in the kernels
+            mask = np.zeros(-(-input.size // 8), np.uint8)
+            mask_kernel = (mask, 0)
+        elif relu is not None:
             mask_kernel, mask = layout.empty_output(input.shape, np.dtype(np.uint8))
         fused = None  # (mean, var) where one kernel wrote both them and the output
         if train:

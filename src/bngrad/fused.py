@@ -8,30 +8,37 @@ Per channel, as :func:`bngrad.batch_norm_forward` / :func:`bngrad.batch_norm_bac
                grad_side_input = g
 
 This is cuDNN's ``BN_ADD_ACTIVATION``, TF's ``FusedBatchNormEx`` (``side_input``,
-``activation_mode="Relu"``) and oneDNN's ``fuse_norm_add_relu``. The backward needs either
-the forward's output ``y`` or its ReLU mask, which the forward returns in one of two formats:
+``activation_mode="Relu"``) and oneDNN's ``fuse_norm_add_relu``. The add rounds as PyTorch's
+separate ops do: batch norm's value is rounded to the data type, then ``side_input`` added and
+the sum rounded (for float16/bfloat16 two roundings, as ``bn(x) + z`` in PyTorch; float32 and
+float64 round once either way), so the fused output and ReLU equal PyTorch's unfused sequence
+wherever its batch norm gives the same value. The backward needs either the forward's output
+``y`` or its ReLU mask, which the forward returns in one of two formats, both in **input's
+memory order** (:func:`mask_order`: the axes by decreasing stride where input is dense in some
+axis order, as NCHW, channels-last or any permutation, else C order):
 
 - ``"bits"``: one bit per element, as oneDNN's workspace: a 1-D uint8 array of
-  ``ceil(input.size / 8)`` bytes, ``np.packbits(passes, axis=None, bitorder="little")``, where
-  ``passes`` is a bool array of input's shape and the bits follow its C-order (row-major)
-  flattening whatever the memory layout: element ``i`` of ``passes.ravel()`` is bit
-  ``i % 8`` (least significant first) of byte ``i // 8``; the padding bits of the last byte
-  are ignored;
-- ``"bytes"``: ``passes`` itself, a bool array of input's shape.
+  ``ceil(input.size / 8)`` bytes, ``np.packbits(passes.transpose(order), axis=None,
+  bitorder="little")`` with ``order = mask_order(input)``: element ``i`` of input's memory
+  order is bit ``i % 8`` (least significant first) of byte ``i // 8``, so the bits are packed
+  along the innermost dimension in memory (channels for NHWC, W for NCHW); the padding bits of
+  the last byte are 0. The backward decodes it in the memory order of *its* input: give it
+  input laid out as the forward's (the same array, as autograd keeps it);
+  :func:`unpack_mask` decodes it;
+- ``"bytes"``: ``passes`` itself, a bool array of input's shape laid out in input's memory
+  order (as the output).
 
 ``passes`` is ``not (y <= 0)``: True where y is positive or NaN (ReLU passes NaN on, and
 threshold_backward lets the gradient through where y is NaN), False where y <= 0, exact ties
 at 0 included.
 
-**The backward is fused in the kernels** (kernels._ops, docs/internals.md): its passes
-(reduction and grad_input, or the one fused pass) read ``g`` from grad_out and the ReLU's
-record (y, or the mask bytes), and the grad_input pass also writes grad_side_input. Not in
-the kernels: a ``"bits"`` mask is unpacked to bytes by NumPy first (one extra pass over a
-byte per element); grad_side_input without grad_input takes a pass of its own.
-**The forward is still a composition** (batch norm, then NumPy's add, ReLU and mask): the
-kernels have its variant (``api._forward(side_input=, relu=)``: add, ReLU and mask bytes in
-the normalize pass), not wired in yet because for half types it rounds once where PyTorch's
-sequence rounds twice, so that the ReLU can flip near 0 (see _fused_forward_impl).
+**Fused in the kernels** (kernels._ops, docs/internals.md): the forward writes y and the mask
+(bytes, or bits packed there) in batch norm's normalize pass, adding the side input on the
+way; the backward's passes (reduction and grad_input, or the one fused pass) read ``g`` from
+grad_out and the ReLU's record (y, or the mask bytes), and the grad_input pass also writes
+grad_side_input. Not in the kernels: the backward unpacks a ``"bits"`` mask to bytes with
+NumPy first (one extra pass over a byte per element, in memory order: no transpose for any
+dense layout); grad_side_input without grad_input takes a pass of its own.
 """
 
 from __future__ import annotations
@@ -41,11 +48,12 @@ from typing import Any, Optional, Sequence, Tuple
 import numpy as np
 
 from . import _validate as check
+from ._layout import _memory_order
 from .api import _backward, _forward
 from .errors import ArgumentTypeError, ArgumentValueError
 
 __all__ = ["ACTIVATIONS", "MASK_FORMATS", "batch_norm_relu_backward", "batch_norm_relu_forward",
-           "mask_bytes"]
+           "mask_bytes", "mask_order", "unpack_mask"]
 
 Array = np.ndarray
 
@@ -124,12 +132,57 @@ def _relu_mask(value: Any, input: Array) -> Array:
     return value
 
 
-def _passes(relu_mask: Array, shape: Tuple[int, ...]) -> Array:
-    """The bool array of ``shape`` (True: the gradient passes) that ``relu_mask`` encodes."""
+def mask_order(input: Any) -> Tuple[int, ...]:
+    """The axis order in which a ReLU mask of ``input`` lists its elements.
+
+    Parameters
+    ----------
+    input : ndarray
+        The batch-norm input (any layout).
+
+    Returns
+    -------
+    tuple of int
+        Input's memory order (the axes by decreasing stride) where input is dense in some axis
+        order, else C order ``(0, 1, ..., ndim - 1)``. Element ``i`` of
+        ``passes.transpose(order).ravel()`` is bit ``i % 8`` of byte ``i // 8`` of a "bits"
+        mask.
+    """
+    input = check.data_array("input", input)
+    return _mask_order(input)
+
+
+def unpack_mask(relu_mask: Any, input: Any) -> Array:
+    """The bool array a ReLU mask of ``input`` encodes (True: the gradient passes).
+
+    Parameters
+    ----------
+    relu_mask : ndarray
+        A mask from :func:`batch_norm_relu_forward`, "bits" (uint8) or "bytes" (bool) format.
+    input : ndarray
+        The forward's input, or an array of its shape laid out as it (the mask is read in its
+        memory order).
+
+    Returns
+    -------
+    ndarray of bool, input's shape
+        For "bits", a view of the unpacked bits laid out in input's memory order (no
+        transpose); a "bytes" mask itself.
+    """
+    input = check.data_array("input", input)
+    return _unpack(_relu_mask(relu_mask, input), input)
+
+
+def _mask_order(input: Array) -> Tuple[int, ...]:
+    return _memory_order(input) or tuple(range(input.ndim))
+
+
+def _unpack(relu_mask: Array, input: Array) -> Array:
     if relu_mask.dtype == np.bool_:
         return relu_mask
-    size = int(np.prod(shape))
-    return np.unpackbits(relu_mask, count=size, bitorder="little").reshape(shape).view(np.bool_)
+    order = _mask_order(input)
+    flat = np.unpackbits(relu_mask, count=input.size, bitorder="little").view(np.bool_)
+    return flat.reshape([input.shape[axis] for axis in order]).transpose(np.argsort(order))
 
 
 # --- the public functions ---------------------------------------------------------------------
@@ -145,9 +198,8 @@ def batch_norm_relu_forward(input: Any, weight: Any = None, bias: Any = None,
 
     Arguments, statistics and running-statistics updates are those of
     :func:`bngrad.batch_norm_forward` (``native_batch_norm``'s order: weight and bias before
-    the running statistics). Today a composition of :func:`bngrad.batch_norm_forward` and
-    NumPy (the add, the ReLU and the mask are extra passes over memory); see
-    :mod:`bngrad.fused`.
+    the running statistics). The add, the ReLU and the mask are made in batch norm's
+    normalize pass; see :mod:`bngrad.fused` for the rounding of the add and the mask formats.
 
     Parameters
     ----------
@@ -159,7 +211,8 @@ def batch_norm_relu_forward(input: Any, weight: Any = None, bias: Any = None,
     activation : {"relu", "none"}
     mask_format : {"bits", "bytes", None}
         Format of the returned ReLU mask (see :mod:`bngrad.fused`): one bit or one byte per
-        element; None returns no mask (the backward then needs the output).
+        element, in input's memory order; None returns no mask (the backward then needs the
+        output).
     channel_axis, num_threads
         As :func:`bngrad.batch_norm_forward`.
     out : ndarray, optional
@@ -174,8 +227,9 @@ def batch_norm_relu_forward(input: Any, weight: Any = None, bias: Any = None,
     save_mean, save_invstd : ndarray (C,)
         As :func:`bngrad.batch_norm_forward` (empty in eval mode).
     relu_mask : ndarray or None
-        uint8 ``(ceil(input.size / 8),)`` for "bits", bool of input's shape for "bytes"; None
-        for ``mask_format=None`` or ``activation="none"``.
+        uint8 ``(ceil(input.size / 8),)`` for "bits", bool of input's shape for "bytes" (laid
+        out as input), both in input's memory order; None for ``mask_format=None`` or
+        ``activation="none"``.
     """
     input = check.data_array("input", input)
     activation = _activation(activation)
@@ -206,8 +260,8 @@ def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
     Arguments are those of :func:`bngrad.batch_norm_backward` (``native_batch_norm_backward``'s
     order), with a fourth output in ``output_mask`` and the ReLU given by ``output`` or
     ``relu_mask``. The mask is applied, and grad_side_input written, inside batch norm's
-    backward passes; a "bits" mask is first unpacked to bytes by NumPy (see
-    :mod:`bngrad.fused`).
+    backward passes; a "bits" mask is first unpacked to bytes by NumPy, in input's memory
+    order (see :mod:`bngrad.fused`).
 
     Parameters
     ----------
@@ -222,6 +276,8 @@ def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
     relu_mask : ndarray, optional
         The forward's mask, "bits" (uint8) or "bytes" (bool) format. With
         ``activation="relu"`` give exactly one of output and relu_mask; with "none", neither.
+        A "bits" mask is read in this input's memory order: pass input laid out as the
+        forward's.
     activation : {"relu", "none"}
     channel_axis, num_threads
         As :func:`bngrad.batch_norm_backward`.
@@ -267,24 +323,16 @@ def _fused_forward_impl(input: Array, weight: Any, bias: Any, running_mean: Any,
                         mask_format: Optional[str], channel_axis: Any, num_threads: Any,
                         out: Optional[Array]) -> Tuple[Array, Array, Array, Optional[Array]]:
     """The fused forward, on arguments checked above (the batch-norm ones are checked by
-    bngrad.api). Still a composition: batch norm, then in place the add and the ReLU. (The
-    kernels' variant, api._forward(side_input=, relu=), adds in float32 and rounds once for
-    half types, where PyTorch's BN-then-add sequence rounds twice: near 0 the ReLU can then
-    flip, which tests/test_torch_fused.py sees; not wired in until that is decided.)"""
-    output, save_mean, save_invstd, _ = _forward(
+    bngrad.api): the kernels add side_input, apply the ReLU and write the mask (bytes, or
+    bits packed there) in batch norm's normalize pass. Without a mask the ReLU still takes one
+    (as bits, the cheapest), which is dropped."""
+    relu = None if activation == "none" else (mask_format or "bits")
+    output, save_mean, save_invstd, mask = _forward(
         input, weight, bias, running_mean, running_var, train, momentum, eps, channel_axis,
-        num_threads, out)
-    if side_input is not None:
-        np.add(output, side_input, out=output)
-    relu_mask = None
-    if activation == "relu":
-        np.maximum(output, np.zeros((), output.dtype), out=output)  # NaN stays NaN
-        if mask_format is not None:
-            with np.errstate(invalid="ignore"):  # NaN compared
-                passes = output != 0  # after the ReLU: y > 0 or NaN, i.e. not y <= 0
-            relu_mask = (np.packbits(passes, axis=None, bitorder="little")
-                         if mask_format == "bits" else np.ascontiguousarray(passes))
-    return output, save_mean, save_invstd, relu_mask
+        num_threads, out, side_input=side_input, relu=relu)
+    if mask_format is None or mask is None:
+        return output, save_mean, save_invstd, None
+    return output, save_mean, save_invstd, mask if mask_format == "bits" else mask.view(np.bool_)
 
 
 def _fused_backward_impl(grad_out: Array, input: Array, weight: Any, running_mean: Any,
@@ -299,7 +347,7 @@ def _fused_backward_impl(grad_out: Array, input: Array, weight: Any, running_mea
     to them first) and write grad_side_input beside grad_input."""
     relu = output
     if relu_mask is not None:
-        relu = _passes(relu_mask, input.shape)
+        relu = _unpack(relu_mask, input)
     return _backward(grad_out, input, weight, running_mean, running_var, save_mean,
                      save_invstd, train, eps, output_mask[:3], channel_axis, num_threads, out,
                      relu=relu, grad_side=output_mask[3])

@@ -7,7 +7,10 @@ module sizes the work, spreads per-channel values over lanes and combines partia
 The fused variants' operands (bngrad.fused) are canonical arrays like x, or None: ``y`` (the
 backward's ReLU record: the forward output, or mask bytes as uint8), ``z`` (the forward's side
 input) and ``aux`` (the elementwise pass's second output: the forward's mask bytes, which also
-selects the ReLU, or the backward's grad_side_input). kernels.batchnorm describes them.
+selects the ReLU, or the backward's grad_side_input). The forward's mask may be bits instead:
+``aux = (bits, 0)``, bits a zeroed 1-D uint8 array of ``ceil(x.size / 8)`` bytes, one bit per
+element in x's memory order (element k: bit ``k % 8`` of byte ``k // 8``), packed in the
+normalize pass. kernels.batchnorm describes them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Tuple, Union
 
 import numpy as np
 
@@ -33,6 +36,10 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "Ker
 # seam to swap (see there).
 launch = k
 
+
+# the elementwise pass's second output: an array like out, the forward's mask bits with the
+# flat index of out's first element, or None
+Aux = Union[np.ndarray, Tuple[np.ndarray, int], None]
 
 _scratch = threading.local()
 
@@ -129,16 +136,25 @@ def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -
     return coef
 
 
+def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
+    """The piece's part of ``aux``: its view, or for mask bits (bits, start) the flat index of
+    its first element (rows start:stop of (M, C); "repeat" pieces start at 0)."""
+    if isinstance(aux, tuple):
+        return aux[0], aux[1] + piece.start * C
+    return _piece_view(aux, piece)
+
+
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
                 x: Optional[np.ndarray] = None, dy: Optional[np.ndarray] = None,
                 y: Optional[np.ndarray] = None, z: Optional[np.ndarray] = None,
-                aux: Optional[np.ndarray] = None) -> None:
+                aux: Aux = None) -> None:
     """out = kernels._ops.elementwise with the rows of ``coef``: given x and dy, the training
     grad_input; dy only, the eval grad_input; x only, the forward output. The fused operands
-    y, z, aux: see the module's docstring."""
+    y, z, aux: see the module's docstring (aux as mask bits: zeroed by the caller)."""
     if plan.path == "lanes":
         for piece in plan.elemt_pieces:
-            px, pdy, py, pz, pout, paux = (_piece_view(a, piece) for a in (x, dy, y, z, out, aux))
+            px, pdy, py, pz, pout = (_piece_view(a, piece) for a in (x, dy, y, z, out))
+            paux = _piece_aux(aux, piece, out.shape[1])
             assert pout is not None
             M, L = pout.shape
             launch.elementwise_lanes(_ceil_div(M, piece.rows) * _ceil_div(L, piece.cols), px,

@@ -7,7 +7,8 @@ element type selects the conversion at compile time. float16: bitcast to LLVM ``
 half of a float32; widening is a shift, narrowing rounds to nearest even, NaNs kept quiet.
 
 ``to_float(v)``: the compute type (float64 for float64, float32 otherwise);
-``from_float(value, out)``: a computed value in ``out``'s element type.
+``from_float(value, out)``: a computed value in ``out``'s element type (``out`` an array, or an
+element of that type).
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ def to_float(value):
 
 
 def from_float(value, out):
-    """Computed value -> the element type of array ``out``. Jitted use only."""
+    """Computed value -> the element type of array ``out`` (or of element ``out``). Jitted use
+    only."""
     raise NotImplementedError
 
 
@@ -100,4 +102,4 @@ def _from_float(value, out):
             types.float32: lambda value, out: np.float32(value),
             types.int16: lambda value, out: _float32_to_half_bits(np.float32(value)),
             types.uint16: lambda value, out: _float32_to_bf16_bits(np.float32(value))
-            }.get(out.dtype)
+            }.get(out.dtype if isinstance(out, types.Array) else out)

@@ -8,11 +8,16 @@ selects a formula when the kernel is compiled, never at run time:
 - ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64;
 - ``elementwise``: x and dy: training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ)*SCALE``;
   dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``, plus
-  the side input ``z`` where one is given (bngrad.fused);
+  the side input ``z`` where one is given (bngrad.fused), added to the batch-norm value rounded
+  to the data type first, as PyTorch's separate BN and add round it (a no-op for float32 and
+  float64; half types round twice, so that the ReLU agrees with PyTorch's sequence near 0);
 - ``grad``: the incoming gradient; given ``y``, the fused ReLU's record (the forward output or
   a mask byte), 0 where the ReLU blocked it (PyTorch's threshold_backward: y <= 0);
+- ``relu`` and ``relu_passes``: the forward's ReLU as stored, and whether it passes (its
+  mask bit: the stored value is not 0; after the ReLU it is +0, positive or NaN);
 - ``finish``: the value stored in ``out``, with the fused variants' second output ``aux``
-  written on the way: the forward's ReLU and mask byte, the backward's grad_side_input.
+  written on the way: the forward's ReLU and mask byte, the backward's grad_side_input. (The
+  forward's mask as bits is packed by kernels.batchnorm's loop, from ``relu_passes``.)
 
 ``(x - MEAN)*PROJ`` is subtracted by one fused multiply-add, after the mean gradient, as
 PyTorch's CPU kernel does (its compiler contracts it): where grad_input cancels (a channel of
@@ -134,21 +139,36 @@ def _elementwise(x, dy, y, z, scale, proj, shift, mean):
         if isinstance(z, types.NoneType):
             return lambda x, dy, y, z, scale, proj, shift, mean: (
                 (to_float(x) - mean) * scale + shift)
-        # the add in the compute type, after batch norm's own rounding there (as PyTorch's
-        # bn + z for float32/float64; for half types one rounding fewer than the separate add)
+        # batch norm's value rounded to the data type, then the add in the compute type: the
+        # bits of PyTorch's bn(x) + z (exact no-op rounding for float32 and float64)
         return lambda x, dy, y, z, scale, proj, shift, mean: (
-            ((to_float(x) - mean) * scale + shift) + to_float(z))
+            to_float(from_float((to_float(x) - mean) * scale + shift, x)) + to_float(z))
     if isinstance(x, types.NoneType):
         return lambda x, dy, y, z, scale, proj, shift, mean: scale * grad(dy, y)
     return lambda x, dy, y, z, scale, proj, shift, mean: (
         _fma(mean - to_float(x), proj, grad(dy, y) - shift) * scale)
 
 
+@njit(inline="always")
+def relu(value, out):
+    """The ReLU of computed ``value`` as an element of ``out``: 0 where value <= 0 (not max():
+    a NaN stays NaN, as np.maximum and torch.relu keep it). Rounding after the ReLU is the
+    ReLU after rounding (rounding keeps signs and order)."""
+    return from_float(_select(value <= 0, _zero(value), value), out)
+
+
+@njit(inline="always")
+def relu_passes(stored):
+    """Whether the ReLU passes: ``stored`` (from relu) is not 0, i.e. positive or NaN; in the
+    element's own type (for half types their bits: +0 is all zeros), so no conversion."""
+    return stored != 0
+
+
 def finish(value: Any, out: Any, aux: Any, i: Any, dy: Any, y: Any) -> Any:
     """``value`` (from elementwise) as an element of ``out``, writing ``aux[i]`` on the way
     (jitted). aux None: nothing else. The forward (dy None): the ReLU is applied and aux[i] is
-    its mask byte, 1 where the stored output is not <= 0 (judged after rounding, so that the
-    mask and y agree). The backward: aux[i] = grad(dy, y), grad_side_input."""
+    its mask byte, 1 where the stored output passes (relu_passes: judged after rounding, so
+    that the mask and y agree). The backward: aux[i] = grad(dy, y), grad_side_input."""
     raise NotImplementedError
 
 
@@ -157,12 +177,11 @@ def _finish(value, out, aux, i, dy, y):
     if isinstance(aux, types.NoneType):
         return lambda value, out, aux, i, dy, y: from_float(value, out)
     if isinstance(dy, types.NoneType):
-        def relu(value, out, aux, i, dy, y):
-            # not max(): a NaN stays NaN, as np.maximum and torch.relu keep it
-            stored = from_float(_select(value <= 0, _zero(value), value), out)
-            aux[i] = _select(passes(stored), np.uint8(1), np.uint8(0))
+        def relu_and_mask(value, out, aux, i, dy, y):
+            stored = relu(value, out)
+            aux[i] = _select(relu_passes(stored), np.uint8(1), np.uint8(0))
             return stored
-        return relu
+        return relu_and_mask
 
     def side_grad(value, out, aux, i, dy, y):
         aux[i] = from_float(grad(dy, y), aux)

@@ -15,7 +15,11 @@ Operands of the fused variants (bngrad.fused; None compiles them away, kernels._
 the backward's ReLU record (the forward output, or mask bytes as uint8), read beside dy by
 the reductions and the elementwise pass; ``z``, the forward's side input, read beside x; and
 ``aux``, the elementwise pass's second output (the forward's mask bytes, the backward's
-grad_side_input), written beside ``out``.
+grad_side_input), written beside ``out``. The forward's mask may instead be bits: ``aux`` is
+then ``(bits, start)``, a 1-D uint8 array packing one bit per element in the canonical array's
+memory order (element k: bit ``k % 8`` of ``bits[k // 8]``) and the flat index of the array's
+first element; each item adds a scratch buffer for the mask bytes of a slice
+(``_with_scratch``) and passes each loop the flat index of its slice (``_at``).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from ._cache import install as _install_cache_locator
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, elementwise, finish, take
@@ -89,7 +95,7 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
 
 
 @njit(**_JIT)
-def _map(x, dy, y, z, out, aux, scale, proj, shift, mean):
+def _map_elements(x, dy, y, z, out, aux, scale, proj, shift, mean):
     """out = elementwise(x, dy, y, z), and aux (kernels._ops.finish), over 1-D slices that
     start at 0, so that LLVM vectorises (None: not an operand). Coefficients: one channel's
     scalars or per-lane vectors."""
@@ -98,6 +104,144 @@ def _map(x, dy, y, z, out, aux, scale, proj, shift, mean):
         r = take(y, i)
         out[i] = finish(elementwise(take(x, i), d, r, take(z, i), take(scale, i), take(proj, i),
                                     take(shift, i), take(mean, i)), out, aux, i, d, r)
+
+
+@intrinsic
+def _atomic_or(typingctx, array, index, value):
+    """array[index] |= value as one atomic operation (1-D uint8 array)."""
+    if not (isinstance(array, types.Array) and array.dtype == types.uint8
+            and value == types.uint8 and isinstance(index, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, signature.args[0], ary, [args[1]])
+        builder.atomic_rmw("or", ptr, args[2], "monotonic")
+        return context.get_dummy_value()
+    return types.void(array, index, value), codegen
+
+
+# Bits of the forward's mask: the elementwise loop (which vectorises) stores a slice's mask
+# bytes in an item's scratch buffer, then each 32 (8) bytes become 4 (1) bytes of bits by one
+# vector compare and move-mask. One loop per slice, no chunks: every sub-slice costs reference
+# counting of its arrays.
+
+def _pack_codegen(lanes):
+    def codegen(context, builder, signature, args):
+        mask_type, _, bits_type, _ = signature.args
+        mask = context.make_array(mask_type)(context, builder, args[0])
+        bits = context.make_array(bits_type)(context, builder, args[2])
+        src = cgutils.get_item_pointer(context, builder, mask_type, mask, [args[1]])
+        dst = cgutils.get_item_pointer(context, builder, bits_type, bits, [args[3]])
+        vector = ir.VectorType(ir.IntType(8), lanes)
+        loaded = builder.load(builder.bitcast(src, vector.as_pointer()), align=1)
+        word = builder.bitcast(builder.icmp_unsigned("!=", loaded, ir.Constant(vector, None)),
+                               ir.IntType(lanes))
+        builder.store(word, builder.bitcast(dst, ir.IntType(lanes).as_pointer()), align=1)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def _pack32(typingctx, mask, i, bits, j):
+    """bits[j:j+4] = the 32 bits ``mask[i:i+32] != 0``, element i + k at bit k % 8 of byte
+    j + k // 8 (uint8 arrays; x86: one vector compare and a move-mask)."""
+    return types.void(mask, i, bits, j), _pack_codegen(32)
+
+
+@intrinsic
+def _pack8(typingctx, mask, i, bits, j):
+    """bits[j] = the 8 bits ``mask[i:i+8] != 0``, as _pack32."""
+    return types.void(mask, i, bits, j), _pack_codegen(8)
+
+
+@njit(inline="always")
+def _pack_bytes(mask, i0, i1, shift0):
+    """mask[i0:i1] (a few 0/1 bytes) as one byte, mask[i] at bit ``(i + shift0) % 8``."""
+    acc = np.uint32(0)
+    for i in range(i0, i1):
+        acc |= np.uint32(mask[i]) << np.uint32((i + shift0) % 8)
+    return np.uint8(acc)
+
+
+@njit(**_JIT)
+def _map_bits_aligned(x, z, out, bits, start, scratch, scale, shift, mean):
+    """_map_bits on a slice whose flat start is a multiple of 8 (scratch: >= its length)."""
+    n = out.shape[0]
+    _map_elements(x, None, None, z, out, scratch, scale, None, shift, mean)
+    b0 = start // 8
+    for j in range(n // 32):
+        _pack32(scratch, 32 * j, bits, b0 + 4 * j)
+    for j in range(n // 32 * 4, n // 8):
+        _pack8(scratch, 8 * j, bits, b0 + j)
+    if n % 8:
+        _atomic_or(bits, b0 + n // 8, _pack_bytes(scratch, n - n % 8, n, 0))
+
+
+@njit(**_JIT)
+def _map_bits(x, z, out, bits, start, scratch, scale, shift, mean):
+    """The forward with the ReLU over a 1-D slice whose first element has flat index
+    ``start``, packing its mask bits into ``bits`` on the way: bytes wholly inside the slice
+    are stored; the partial bytes at either end are ORed in atomically (``bits`` starts
+    zeroed), as the neighbouring slice, maybe another item's, owns their other bits. OR is
+    order-free: the bits do not depend on who runs first."""
+    head = min(out.shape[0], -start % 8)
+    if head == 0:
+        _map_bits_aligned(x, z, out, bits, start, scratch, scale, shift, mean)
+        return
+    first = slice(0, head)
+    _map_elements(x[first], None, None, take(z, first), out[first], scratch,
+                  take(scale, first), None, take(shift, first), take(mean, first))
+    _atomic_or(bits, start // 8, _pack_bytes(scratch, 0, head, start))
+    if head < out.shape[0]:
+        rest = slice(head, out.shape[0])
+        _map_bits_aligned(x[rest], take(z, rest), out[rest], bits, start + head, scratch,
+                          take(scale, rest), take(shift, rest), take(mean, rest))
+
+
+def _map(x: Any, dy: Any, y: Any, z: Any, out: Any, aux: Any, scale: Any, proj: Any,
+         shift: Any, mean: Any) -> Any:
+    """The elementwise pass over 1-D slices (jitted): _map_elements, or _map_bits where
+    ``aux`` is the forward's (bits, start)."""
+    raise NotImplementedError
+
+
+@overload(_map, inline="always")
+def _map_impl(x, dy, y, z, out, aux, scale, proj, shift, mean):
+    if isinstance(aux, types.BaseTuple):
+        return lambda x, dy, y, z, out, aux, scale, proj, shift, mean: _map_bits(
+            x, z, out, aux[0], aux[1], aux[2], scale, shift, mean)
+    return lambda x, dy, y, z, out, aux, scale, proj, shift, mean: _map_elements(
+        x, dy, y, z, out, aux, scale, proj, shift, mean)
+
+
+def _with_scratch(aux: Any, n: Any) -> Any:
+    """An item's ``aux``: mask bits ``(bits, base)`` get a scratch buffer for slices of up to
+    ``n`` elements, ``(bits, base, scratch)``; anything else is itself (jitted)."""
+    raise NotImplementedError
+
+
+@overload(_with_scratch, inline="always")
+def _with_scratch_impl(aux, n):
+    if isinstance(aux, types.BaseTuple):
+        return lambda aux, n: (aux[0], aux[1], np.empty((n + 7) // 8 * 8, np.uint8))
+    return lambda aux, n: aux
+
+
+def _at(aux: Any, index: Any, start: Any) -> Any:
+    """``aux``'s part for a loop over ``out[index]`` (jitted): None; the array's slice; or, for
+    the forward's mask bits ``(bits, base, scratch)`` (from _with_scratch), ``(bits, base +
+    start, scratch)``, ``start`` being the flat index of out[index]'s first element."""
+    raise NotImplementedError
+
+
+@overload(_at, inline="always")
+def _at_impl(aux, index, start):
+    if isinstance(aux, types.NoneType):
+        return lambda aux, index, start: None
+    if isinstance(aux, types.BaseTuple):
+        return lambda aux, index, start: (aux[0], aux[1] + start, aux[2])
+    return lambda aux, index, start: aux[index]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -209,9 +353,10 @@ def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, m
     mean[c], var[c] = m, v
     coef[SCALE, c] = 1.0 / np.sqrt(v + eps) * weight[c]
     coef[BIAS, c], coef[MEAN, c] = bias[c], m
+    C, part = x.shape[1], _with_scratch(aux, B)
     for r in range(A):
-        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], take(aux, (r, c)), coef[SCALE, c],
-             None, coef[BIAS, c], coef[MEAN, c])
+        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], _at(part, (r, c), (r * C + c) * B),
+             coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
 
 
 @njit(**_JIT)
@@ -223,10 +368,12 @@ def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
     n_groups, n_segs = (C + group - 1) // group, (B + seg - 1) // seg
     r, b0 = item // n_segs, (item % n_segs) * seg
     a, g = r // n_groups, r % n_groups
+    part = _with_scratch(aux, min(B, seg))
     for c in range(g * group, min(C, g * group + group)):
         run = (a, c, slice(b0, min(B, b0 + seg)))
-        _map(take(x, run), take(dy, run), take(y, run), take(z, run), out[run], take(aux, run),
-             coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c], coef[MEAN, c])
+        _map(take(x, run), take(dy, run), take(y, run), take(z, run), out[run],
+             _at(part, run, (a * C + c) * B + b0), coef[SCALE, c], coef[PROJ, c],
+             coef[GRAD_MEAN, c], coef[MEAN, c])
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 maps): one run at a time spends most of its time in
@@ -294,10 +441,11 @@ def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
     _, r0, r1, c0, c1 = _tile_of(item, out.shape[0], out.shape[1], rows, cols)
     scale, proj = coef[SCALE, c0:c1], coef[PROJ, c0:c1]
     shift, mean = coef[GRAD_MEAN, c0:c1], coef[MEAN, c0:c1]
+    part = _with_scratch(aux, c1 - c0)
     for r in range(r0, r1):
         lanes = (r, slice(c0, c1))
         _map(take(x, lanes), take(dy, lanes), take(y, lanes), take(z, lanes), out[lanes],
-             take(aux, lanes), scale, proj, shift, mean)
+             _at(part, lanes, r * out.shape[1] + c0), scale, proj, shift, mean)
 
 
 # ---------------------------------------------------------------------------------------------

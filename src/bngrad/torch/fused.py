@@ -11,8 +11,8 @@
 What autograd keeps for the backward: the input and a mask of one bit per element
 (:mod:`bngrad.fused`'s "bits" format, a uint8 tensor), never the output nor the side input;
 PyTorch's unfused sequence keeps the input and the output. The backward's masked gradients
-are made inside batch norm's own kernel passes; the forward is still batch norm followed by
-NumPy passes (see :mod:`bngrad.fused`).
+are made inside batch norm's own kernel passes, and the forward writes the output and the
+mask in batch norm's normalize pass (see :mod:`bngrad.fused`).
 
 Double backward: ReLU's second derivative is zero almost everywhere, so the derivative of the
 fused backward is batch norm's double backward (:func:`bngrad.torch.ops._double_backward`)
@@ -47,11 +47,18 @@ def _mask_len(input: Tensor) -> int:
 
 
 def unpack_mask(relu_mask: Tensor, like: Tensor) -> Tensor:
-    """The bool tensor of ``like``'s shape that a "bits" mask encodes (bit i of the C-order
-    flattening is bit ``i % 8`` of byte ``i // 8``, least significant first)."""
+    """The bool tensor of ``like``'s shape that a "bits" mask of ``like`` encodes: element i of
+    like's memory order (:func:`bngrad.fused.mask_order`: the axes by decreasing stride where
+    like is dense in that order, else C order) is bit ``i % 8`` of byte ``i // 8``, least
+    significant first. The result is laid out in that order (no transpose)."""
+    strides = like.stride()
+    order = sorted(range(like.dim()), key=lambda axis: -strides[axis])
+    if not like.permute(order).is_contiguous():
+        order = list(range(like.dim()))
     shifts = torch.arange(8, dtype=torch.uint8, device=relu_mask.device)
     bits = (relu_mask.unsqueeze(1) >> shifts) & 1
-    return bits.reshape(-1)[:like.numel()].view(like.shape).bool()
+    in_memory = bits.reshape(-1)[:like.numel()].view([like.shape[axis] for axis in order])
+    return in_memory.permute(sorted(range(like.dim()), key=order.__getitem__)).bool()
 
 
 # --- torch.ops.bngrad.batch_norm_relu_forward --------------------------------------------------
