@@ -8,6 +8,11 @@ path — backward (train with and without stats, each output mask kind, eval), f
 eval), reduce, elemt, moments, and the fused ReLU + side input variants (bngrad.fused: forward,
 backward given the mask or y) — for every dtype on channels-first, channels-last and large-C
 shapes whose reductions span several blocks, and reports which differ from num_threads=1.
+
+Calls too small for a parallel launch to pay run serially (``Config.serial_elements``; one
+thread always does), which would leave the small shapes comparing serial runs only: each
+thread count also runs with every call forced parallel (``serial_elements=0``), and two shapes
+sit at the default threshold, serial on 2 threads and parallel on 3 and 4.
 """
 
 from __future__ import annotations
@@ -21,9 +26,14 @@ import numpy as np
 import pytest
 
 import bngrad
+from bngrad import kernels
 from conftest import make_case
 
 THREADS = (1, 2, 3, 4)
+# (threads, serial_elements override or None) compared with num_threads=1 (always serial)
+SETTINGS = [(t, None) for t in THREADS[1:]] + [(t, 0) for t in THREADS[1:]]
+# 1.7 x serial_elements elements: serial on 2 threads (below 2x), parallel on 3 (1.5x) and 4
+_AT = round(1.7 * kernels.Config().serial_elements)
 SHAPES = [
     ("chfirst-8x3x5000", (8, 3, 5000), 1, "contig"),
     ("chlast-50000x4", (50000, 4), 1, "contig"),
@@ -36,6 +46,9 @@ SHAPES = [
     # runs >= 256 with C = 8: fused per channel on 1-2 threads (C >= 4 * threads), two passes
     # on 3-4, which must give the same bits
     ("fused-or-not-5x8x300", (5, 8, 300), 1, "contig"),
+    # at the serial threshold (see the module's docstring)
+    ("threshold-chfirst", (_AT // 4096, 64, 64), 1, "contig"),
+    ("threshold-2d", (_AT // 64, 64), 1, "contig"),
 ]
 VARIANTS = ["float32", "bfloat16-p32", "float64", "float16"]
 PATHS = ["backward-train", "backward-nostats", "backward-grads-only", "backward-input-only",
@@ -99,17 +112,22 @@ def _differences(variant, shape_id, shape, axis, layout):
     case = make_case(shape, axis, variant, "train", True, layouts=(layout, layout), seed=21)
     report = {}
     for path in PATHS:
-        results = {t: _run_path(path, case, t) for t in THREADS}
-        base = results[1]
+        base = _run_path(path, case, 1)
         problem = None
-        for t in THREADS[1:]:
-            for i, (a, b) in enumerate(zip(base, results[t])):
+        for t, limit in SETTINGS:
+            if limit is None:
+                result = _run_path(path, case, t)
+            else:
+                with kernels.override(serial_elements=limit):
+                    result = _run_path(path, case, t)
+            where = f"num_threads={t}" + ("" if limit is None else " (forced parallel)")
+            for i, (a, b) in enumerate(zip(base, result)):
                 if a.dtype != b.dtype or a.shape != b.shape:
-                    problem = f"output {i}: {a.dtype}{a.shape} vs {b.dtype}{b.shape} at {t}"
+                    problem = f"output {i}: {a.dtype}{a.shape} vs {b.dtype}{b.shape} at {where}"
                 elif not np.array_equal(_bits(a), _bits(b)):
                     n = int(np.sum(_bits(a) != _bits(b)))
                     problem = (f"output {i}: {n} of {a.size} elements differ between "
-                               f"num_threads=1 and num_threads={t}")
+                               f"num_threads=1 and {where}")
                 if problem:
                     break
             if problem:
@@ -120,7 +138,13 @@ def _differences(variant, shape_id, shape, axis, layout):
 
 def child_main(out_path):  # runs in the child process
     import numba
-    report = {"numba_threads": numba.config.NUMBA_NUM_THREADS, "cases": {}}
+    report = {"numba_threads": numba.config.NUMBA_NUM_THREADS, "cases": {},
+              "threshold_serial": {}}
+    for shape_id, shape, _, _ in SHAPES:
+        if shape_id.startswith("threshold"):  # serial on which of 2, 3, 4 threads
+            x = np.zeros(shape, np.float32)
+            report["threshold_serial"][shape_id] = [
+                "(serial)" in bngrad.explain(x, num_threads=t) for t in THREADS[1:]]
     for variant in VARIANTS:
         for shape_id, shape, axis, layout in SHAPES:
             for path, problem in _differences(variant, shape_id, shape, axis, layout).items():
@@ -149,6 +173,11 @@ def _ids():
 
 def test_child_really_had_four_threads(child_report):
     assert child_report["numba_threads"] == 4
+
+
+def test_threshold_shapes_are_serial_on_two_threads_only(child_report):
+    assert child_report["threshold_serial"] == {"threshold-chfirst": [True, False, False],
+                                                "threshold-2d": [True, False, False]}
 
 
 @pytest.mark.parametrize("case_id", _ids())

@@ -10,13 +10,16 @@ grad_out is read in input's memory order; if it is not dense in that order it is
 An input that is not dense in any order (sliced, padded, negative strides) is copied once into
 C order, in parallel where it can be. grad_input is allocated in the order that was used:
 input's own order whenever input is dense, C order otherwise.
+
+All of this depends on the arrays only through their shape, strides and dtype (and the channel
+axis): it is found once per such signature (``_Layout``, cached), and a repeated call only
+makes the views (issue 12: the fixed cost of a call).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -32,15 +35,28 @@ def _memory_order(array: np.ndarray) -> Optional[tuple[int, ...]]:
     return None
 
 
-@dataclass(frozen=True)
 class Plan:
-    """Canonical kernel views of input (and grad_out) and how to make outputs like them."""
+    """Canonical kernel views of input (and grad_out) and how to make outputs like them.
 
-    x: np.ndarray                  # (A, C, B) or (M, C), kernel element type
-    dy: Optional[np.ndarray]       # same shape as x, or None
-    order: tuple[int, ...]         # memory order of the logical axes used for x, dy and outputs
-    copied: tuple[str, ...]        # arguments that had to be copied (shown by bngrad.explain)
-    kernel: kernels.KernelPlan     # the kernel path and tiles for x (on the threads in force)
+    ``x``: (A, C, B) or (M, C), kernel element type; ``dy``: the same shape, or None;
+    ``order``: memory order of the logical axes used for x, dy and outputs; ``copied``: the
+    arguments that had to be copied (shown by bngrad.explain); ``kernel``: the kernel path and
+    tiles for x on the call's threads. (A plain class: one is made per call.)
+    """
+
+    __slots__ = ("x", "dy", "kernel", "_layout")
+
+    def __init__(self, x: np.ndarray, dy: Optional[np.ndarray], layout: _Layout,
+                 kernel: kernels.KernelPlan) -> None:
+        self.x, self.dy, self.kernel, self._layout = x, dy, kernel, layout
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        return self._layout.order
+
+    @property
+    def copied(self) -> tuple[str, ...]:
+        return self._layout.copied
 
     @property
     def grad(self) -> np.ndarray:
@@ -52,8 +68,8 @@ class Plan:
     def empty_output(self, shape: tuple[int, ...], dtype: np.dtype
                      ) -> tuple[np.ndarray, np.ndarray]:
         """(kernel view, user array) of a new array shaped like input, in the plan's order."""
-        memory = np.empty(tuple(shape[axis] for axis in self.order), dtype=dtype)
-        user = memory.transpose(np.argsort(self.order))
+        memory = np.empty(self._layout.memory_shape, dtype=dtype)
+        user = memory.transpose(self._layout.inverse)
         return as_kernel_array(memory).reshape(self.x.shape), user
 
     def canonical(self, array: np.ndarray) -> np.ndarray:
@@ -64,7 +80,7 @@ class Plan:
             array = array.view(np.uint8)
         memory = array.transpose(self.order)
         if not memory.flags.c_contiguous:
-            memory = _in_order(array, self.order)
+            memory = _in_order(array, self.order, self.kernel.threads)
         return as_kernel_array(memory).reshape(self.x.shape)
 
     def output(self, shape: tuple[int, ...], dtype: np.dtype, out: Optional[np.ndarray]
@@ -89,15 +105,6 @@ def finish_output(result: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
     return out
 
 
-def _canonical(memory_ordered: np.ndarray, channel_position: int) -> np.ndarray:
-    shape = memory_ordered.shape
-    A = math.prod(shape[:channel_position])
-    B = math.prod(shape[channel_position + 1:])
-    C = shape[channel_position]
-    canonical = (A, C) if B == 1 else (A, C, B)
-    return as_kernel_array(memory_ordered).reshape(canonical)
-
-
 def _block_swap(perm: tuple[int, ...]) -> Optional[tuple[int, int]]:
     """(i, j) if perm == (0..i-1, j..n-1, i..j-1): two adjacent blocks of axes swapped."""
     n = len(perm)
@@ -108,7 +115,7 @@ def _block_swap(perm: tuple[int, ...]) -> Optional[tuple[int, int]]:
     return None
 
 
-def _dense_copy(array: np.ndarray) -> np.ndarray:
+def _dense_copy(array: np.ndarray, threads: int) -> np.ndarray:
     """A C-contiguous copy of ``array``, its rows copied in parallel where all axes but the
     last merge into one (crops and strided slices of a dense array); NumPy's serial copy
     otherwise. ((32, 256, 56, 56) float32 cropped from width 64: 15.3 -> 9.6 ms.)"""
@@ -117,11 +124,11 @@ def _dense_copy(array: np.ndarray) -> np.ndarray:
     except ValueError:  # the axes do not merge (or the array is empty)
         return np.ascontiguousarray(array)
     out = np.empty(array.shape, array.dtype)
-    kernels.copy_rows(as_kernel_array(rows), as_kernel_array(out).reshape(rows.shape))
+    kernels.copy_rows(as_kernel_array(rows), as_kernel_array(out).reshape(rows.shape), threads)
     return out
 
 
-def _in_order(array: np.ndarray, order: tuple[int, ...]) -> np.ndarray:
+def _in_order(array: np.ndarray, order: tuple[int, ...], threads: int) -> np.ndarray:
     """A C-contiguous copy of ``array.transpose(order)``.
 
     When array is dense in an order that is ``order`` with two blocks of axes swapped (grad_out
@@ -131,7 +138,7 @@ def _in_order(array: np.ndarray, order: tuple[int, ...]) -> np.ndarray:
     own = _memory_order(array)
     swap = None if own is None else _block_swap(tuple(own.index(axis) for axis in order))
     if swap is None:
-        return _dense_copy(array.transpose(order))
+        return _dense_copy(array.transpose(order), threads)
     i, j = swap
     memory = array.transpose(own)
     source = memory.reshape(math.prod(memory.shape[:i]), math.prod(memory.shape[i:j]),
@@ -139,26 +146,66 @@ def _in_order(array: np.ndarray, order: tuple[int, ...]) -> np.ndarray:
     copy = np.empty(tuple(array.shape[axis] for axis in order), dtype=array.dtype)
     kernels.transpose_last_two(as_kernel_array(source),
                                as_kernel_array(copy).reshape(source.shape[0], source.shape[2],
-                                                             source.shape[1]))
+                                                             source.shape[1]),
+                               threads)
     return copy
 
 
-def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int) -> Plan:
+class _Layout(NamedTuple):
+    """What a call's layout depends on only through (shape, strides, dtype, channel axis):
+    found once per such signature (_layouts), so that a repeated call only makes the views."""
+
+    order: tuple[int, ...]          # memory order of input's axes (C order if input is copied)
+    inverse: tuple[int, ...]        # the order's inverse permutation (outputs' transpose)
+    memory_shape: tuple[int, ...]   # input's shape in that order
+    canonical: tuple[int, ...]      # the kernel view's shape, (A, C, B) or (M, C)
+    copied: tuple[str, ...]         # "input": not dense in any order; "grad_out": not in order
+
+
+def _find_layout(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int
+                 ) -> _Layout:
     copied = []
     order = _memory_order(input)
     if order is None:
         copied.append("input")
         order = tuple(range(input.ndim))
-    x = input.transpose(order)
-    if not x.flags.c_contiguous:
-        x = _dense_copy(x)
+    if grad_out is not None and not grad_out.transpose(order).flags.c_contiguous:
+        copied.append("grad_out")
+    memory_shape = tuple(input.shape[axis] for axis in order)
+    position = order.index(channel_axis)
+    A = math.prod(memory_shape[:position])
+    B = math.prod(memory_shape[position + 1:])
+    C = memory_shape[position]
+    return _Layout(order, tuple(int(i) for i in np.argsort(order)), memory_shape,
+                   (A, C) if B == 1 else (A, C, B), tuple(copied))
+
+
+# Layouts by (input's shape, strides and dtype, grad_out's strides, channel axis); bounded.
+_layouts: dict[tuple, _Layout] = {}
+
+
+def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, threads: int
+         ) -> Plan:
+    """The canonical views of input (and grad_out, input's shape and dtype) for a call on
+    ``threads`` threads (resolved: bngrad._threads.resolve_num_threads), copying what must be
+    copied (in parallel where that pays)."""
+    key = (input.shape, input.strides, input.dtype,
+           None if grad_out is None else grad_out.strides, channel_axis)
+    layout = _layouts.get(key)
+    if layout is None:
+        if len(_layouts) >= 256:
+            _layouts.clear()
+        layout = _layouts[key] = _find_layout(input, grad_out, channel_axis)
+    copied = layout.copied
+    x = input.transpose(layout.order)
+    if copied and copied[0] == "input":
+        x = _dense_copy(x, threads)
+    x = as_kernel_array(x).reshape(layout.canonical)
     dy = None
     if grad_out is not None:
-        dy = grad_out.transpose(order)
-        if not dy.flags.c_contiguous:
-            copied.append("grad_out")
-            dy = _in_order(grad_out, order)
-    position = order.index(channel_axis)
-    canonical = _canonical(x, position)
-    return Plan(x=canonical, dy=None if dy is None else _canonical(dy, position),
-                order=order, copied=tuple(copied), kernel=kernels.plan(canonical))
+        if copied and copied[-1] == "grad_out":
+            dy = as_kernel_array(_in_order(grad_out, layout.order, threads))
+        else:
+            dy = as_kernel_array(grad_out.transpose(layout.order))
+        dy = dy.reshape(layout.canonical)
+    return Plan(x, dy, layout, kernels.plan(x, threads))

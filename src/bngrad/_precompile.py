@@ -82,6 +82,7 @@ def precompile(dtypes: Optional[Iterable[str]] = None,
     dict
         Seconds spent per dtype (small where the cache was already warm).
     """
+    from . import kernels
     from .errors import ArgumentValueError
 
     chosen = []
@@ -96,8 +97,13 @@ def precompile(dtypes: Optional[Iterable[str]] = None,
         # One thread and all threads: whether the fused channels-first kernels run depends on
         # the channels per thread, so both paths get compiled whatever the machine's cores.
         # Read-only inputs (np.broadcast_to, read-only memory maps) are another Numba type.
+        # These tiny calls run serially (kernels._plan.runs_serial), so on all threads they
+        # run a second time forced parallel, which compiles the parallel launchers.
         for num_threads, read_only in ((1, False), (None, False), (None, True)):
             _exercise(dtype, num_threads, read_only)
+            if num_threads is None:
+                with kernels.override(serial_elements=0):
+                    _exercise(dtype, num_threads, read_only)
         spent[dtype.name] = time.perf_counter() - t
         if progress is not None:
             progress(dtype.name, spent[dtype.name])

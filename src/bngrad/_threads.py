@@ -14,14 +14,13 @@ parallel regions are readers, fork() the writer (see _ForkGate).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import site
 import sys
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Optional
 
 import numba
 
@@ -184,28 +183,61 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_fork_gate.after_fork_in_child)
 
 
-@contextlib.contextmanager
-def parallel_region(num_threads: Optional[int]) -> Iterator[None]:
+class parallel_region:
     """Run the enclosed kernels on ``num_threads`` threads (None: all), safely.
 
     Numba's thread count is thread-local, so concurrent callers do not disturb each other.
-    The count is capped at the size of Numba's pool (NUMBA_NUM_THREADS, the machine's cores).
-    No fork() happens while a region is open (see _ForkGate).
+    The count is capped at the size of Numba's pool (NUMBA_NUM_THREADS, the machine's cores)
+    and set only where it differs from the count in force. No fork() happens while a region is
+    open (see _ForkGate). A class rather than a generator-based context manager: it is entered
+    on every parallel call, and costs less so. Serial calls (kernels.region) enter none.
     """
-    _fork_gate.enter()
-    try:
-        with contextlib.nullcontext() if _LAUNCH_IS_THREAD_SAFE else _launch_lock:
-            if num_threads is None:
-                yield
-                return
-            previous = numba.get_num_threads()
-            numba.set_num_threads(min(num_threads, numba.config.NUMBA_NUM_THREADS))
-            try:
-                yield
-            finally:
-                numba.set_num_threads(previous)
-    finally:
-        _fork_gate.exit()
+
+    __slots__ = ("_wanted", "_previous", "_lock")
+
+    def __init__(self, num_threads: Optional[int]) -> None:
+        self._wanted = num_threads
+        self._previous: Optional[int] = None
+        self._lock: Optional[threading.RLock] = None
+
+    def __enter__(self) -> None:
+        _fork_gate.enter()
+        try:
+            if not _LAUNCH_IS_THREAD_SAFE:
+                self._lock = _launch_lock
+                self._lock.acquire()
+            if self._wanted is not None:
+                wanted = min(self._wanted, numba.config.NUMBA_NUM_THREADS)
+                previous = numba.get_num_threads()
+                if wanted != previous:
+                    numba.set_num_threads(wanted)
+                    self._previous = previous
+        except BaseException:
+            self._leave()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        try:
+            if self._previous is not None:
+                numba.set_num_threads(self._previous)
+                self._previous = None
+        finally:
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
+            _fork_gate.exit()
+
+
+def resolve_num_threads(num_threads: Optional[int]) -> int:
+    """The threads a call asked to run on ``num_threads`` (None: the count in force) gets:
+    what the plan and the choice of a serial call read. Reads Numba's count only for None, so
+    that a call given its count never touches Numba's thread pool."""
+    if num_threads is None:
+        return current_num_threads()
+    return min(num_threads, numba.config.NUMBA_NUM_THREADS)
 
 
 def current_num_threads() -> int:

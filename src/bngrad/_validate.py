@@ -25,6 +25,16 @@ FLOAT64, FLOAT32, FLOAT16, BFLOAT16 = (_dtypes.spec(name).numpy for name in
 SUPPORTED_DTYPES = _dtypes.NUMPY_DTYPES
 _DTYPE_NAMES = _dtypes.NAMES_TEXT
 
+# The checks run on every call, so the common case (an ndarray of a supported dtype, a plain
+# int, float or bool) is decided first by exact type and hashed lookups; anything else takes
+# the general path, which gives the same answers and all the messages.
+_SUPPORTED = frozenset(SUPPORTED_DTYPES)
+_PARAM_DTYPES = {s.numpy: frozenset(s.param_dtypes) for s in _dtypes.DTYPES}
+
+
+def _supported(dtype: np.dtype) -> bool:
+    return dtype in _SUPPORTED or dtype in SUPPORTED_DTYPES
+
 
 def describe(value: Any) -> str:
     """A short description of a value for error messages."""
@@ -38,14 +48,17 @@ def describe(value: Any) -> str:
 
 def data_array(name: str, value: Any) -> np.ndarray:
     """A data array (input, grad_out): any array-like of a supported floating dtype, ndim >= 2."""
-    if value is None:
-        raise ArgumentTypeError(f"{name}: expected an array, got None")
-    if hasattr(value, "__torch_function__"):
-        raise ArgumentTypeError(
-            f"{name}: expected a NumPy array, got a torch.Tensor; use bngrad.torch for tensors "
-            "or pass tensor.numpy()")
-    array = np.asarray(value)
-    if array.dtype not in SUPPORTED_DTYPES:
+    if type(value) is np.ndarray:
+        array = value
+    else:
+        if value is None:
+            raise ArgumentTypeError(f"{name}: expected an array, got None")
+        if hasattr(value, "__torch_function__"):
+            raise ArgumentTypeError(
+                f"{name}: expected a NumPy array, got a torch.Tensor; use bngrad.torch for "
+                "tensors or pass tensor.numpy()")
+        array = np.asarray(value)
+    if not _supported(array.dtype):
         raise ArgumentTypeError(
             f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}"
             + ("; convert it with .astype(np.float32)" if array.dtype.kind in "iub" else ""))
@@ -67,6 +80,8 @@ def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray, name: str = "g
 
 
 def channel_axis(value: Any, ndim: int) -> int:
+    if type(value) is int and -ndim <= value < ndim:
+        return value % ndim
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"channel_axis: expected an int, got {describe(value)}")
     axis = int(value)
@@ -89,10 +104,13 @@ def param_vector(name: str, value: Any, input: np.ndarray, axis: int) -> Optiona
 
 
 def _param_array(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndarray:
+    if (type(value) is np.ndarray and value.shape == (input.shape[axis],)
+            and value.dtype in _PARAM_DTYPES.get(input.dtype, ())):
+        return value  # the allowed dtypes are supported ones: nothing below could refuse it
     if hasattr(value, "__torch_function__"):
         raise ArgumentTypeError(f"{name}: expected a NumPy array, got a torch.Tensor")
     array = np.asarray(value)
-    if array.dtype not in SUPPORTED_DTYPES:
+    if not _supported(array.dtype):
         raise ArgumentTypeError(
             f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}")
     n_channels = input.shape[axis]
@@ -142,7 +160,12 @@ def running_var(value: Optional[np.ndarray]) -> None:
     """
     if value is None:
         return
-    with np.errstate(invalid="ignore"):  # NaN in bfloat16 warns when compared
+    if value.dtype == BFLOAT16:
+        with np.errstate(invalid="ignore"):  # NaN in bfloat16 warns when compared (NumPy's
+            negative = np.flatnonzero(value < 0)  # own dtypes do not: no errstate for them)
+    elif not (value < 0).any():
+        return
+    else:
         negative = np.flatnonzero(value < 0)
     if negative.size:
         c = negative[0]
@@ -212,12 +235,16 @@ def positive_int(name: str, value: Any) -> int:
 
 
 def boolean(name: str, value: Any) -> bool:
+    if value is True or value is False:
+        return value
     if not isinstance(value, (bool, np.bool_)):
         raise ArgumentTypeError(f"{name}: expected True or False, got {describe(value)}")
     return bool(value)
 
 
 def eps(value: Any) -> float:
+    if type(value) is float and 0.0 <= value < math.inf:  # (NaN fails the comparison)
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"eps: expected a float >= 0, got {describe(value)}")
     value = float(value)
@@ -227,6 +254,8 @@ def eps(value: Any) -> float:
 
 
 def momentum(value: Any) -> float:
+    if type(value) is float and math.isfinite(value):
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"momentum: expected a float, got {describe(value)}")
     value = float(value)
@@ -236,6 +265,9 @@ def momentum(value: Any) -> float:
 
 
 def output_mask(value: Any) -> tuple[bool, bool, bool]:
+    if (type(value) is tuple and len(value) == 3 and type(value[0]) is bool
+            and type(value[1]) is bool and type(value[2]) is bool):
+        return value
     try:
         items = tuple(value)
     except TypeError:
@@ -250,6 +282,8 @@ def output_mask(value: Any) -> tuple[bool, bool, bool]:
 def num_threads(value: Any) -> Optional[int]:
     if value is None:
         return None
+    if type(value) is int and value >= 1:
+        return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise ArgumentTypeError(f"num_threads: expected None or an int >= 1, got {describe(value)}")
     if value < 1:

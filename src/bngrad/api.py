@@ -6,6 +6,7 @@ on the CPU (see README for where bngrad deliberately does better).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -14,7 +15,7 @@ from . import _dtypes
 from . import _validate as check
 from . import kernels
 from ._layout import Plan, finish_output, plan
-from ._threads import parallel_region
+from ._threads import resolve_num_threads
 from .errors import ArgumentValueError
 
 __all__ = [
@@ -30,7 +31,10 @@ Array = np.ndarray
 
 
 def _f64(a: Optional[Array], n_channels: int, fill: float) -> Array:
-    return np.full(n_channels, fill) if a is None else a.astype(np.float64)
+    """``a`` in float64, or ``fill`` (1 or 0) in each channel."""
+    if a is not None:
+        return a.astype(np.float64)
+    return np.ones(n_channels) if fill == 1.0 else np.zeros(n_channels)  # (faster than full)
 
 
 def _count(input: Array, axis: int) -> int:
@@ -45,8 +49,12 @@ def _eval_stats(running_mean: Array, running_var: Array, eps: float) -> tuple[Ar
 
 def _first_elements(input: Array, axis: int) -> Array:
     """Each channel's first element, float64."""
-    return input[tuple(slice(None) if i == axis else 0 for i in range(input.ndim))].astype(
-        np.float64)
+    return input[_first_index(input.ndim, axis)].astype(np.float64)
+
+
+@functools.lru_cache(maxsize=64)
+def _first_index(ndim: int, axis: int) -> tuple:
+    return tuple(slice(None) if i == axis else 0 for i in range(ndim))
 
 
 def _moments(layout: Plan, input: Array, axis: int, count: int) -> tuple[Array, Array]:
@@ -67,8 +75,8 @@ def _moments(layout: Plan, input: Array, axis: int, count: int) -> tuple[Array, 
     else:
         shift = _first_elements(input, axis)
     sum_d, sum_d2 = kernels.reduce(layout.kernel, x, x, shift, shift)
-    mean = shift + sum_d / count
-    return mean, np.maximum(sum_d2 - sum_d * sum_d / count, 0.0) / count
+    # mean = shift + sum_d / count, var = max(sum_d2 - sum_d * sum_d / count, 0) / count
+    return kernels.moments(shift, sum_d, sum_d2, count)
 
 
 def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Array, int]:
@@ -106,8 +114,9 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     count = _count(input, axis)
     if count == 0:
         return np.full(n_channels, np.nan), np.full(n_channels, np.nan)
-    with parallel_region(threads):
-        return _moments(plan(input, None, axis), input, axis, count)
+    layout = plan(input, None, axis, resolve_num_threads(threads))
+    with kernels.region(layout.kernel):
+        return _moments(layout, input, axis, count)
 
 
 def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running_mean: Any = None,
@@ -185,13 +194,13 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
             raise ArgumentValueError(f"{name}: expected a writable array (it is updated in place "
                                      "in train mode), got a read-only array")
     check.running_stats_for_eval(train, running_mean, running_var)
-    stat_dtype = _dtypes.stat_dtype(input.dtype)
+    spec = _dtypes.spec(input.dtype)
+    stat_dtype, compute = spec.stat, spec.compute
     count = _count(input, axis)
 
-    compute = _dtypes.compute_dtype(input.dtype)
     scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
-    with parallel_region(threads), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
-        layout = plan(input, None, axis)
+    layout = plan(input, None, axis, resolve_num_threads(threads))
+    with kernels.region(layout.kernel), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
         out_kernel, output = layout.output(input.shape, input.dtype, out)
         z = None if side_input is None else layout.canonical(side_input)
         mask_kernel: kernels.Aux = None
@@ -209,19 +218,17 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
                 fused = kernels.forward_train(layout.kernel, layout.x, out_kernel, scale_weight,
                                               shift_bias, eps, count, compute, z, mask_kernel)
                 mean, var = fused if fused is not None else _moments(layout, input, axis, count)
-            invstd = 1.0 / np.sqrt(var + eps)
             if running_mean is not None and count > 0:
                 running_mean[...] = (1 - momentum) * running_mean + momentum * mean
             if running_var is not None and count > 0:
                 # count 1: 0/0, NaN, as in PyTorch
                 unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.nan)
                 running_var[...] = (1 - momentum) * running_var + momentum * unbiased
-        else:
-            mean, invstd = _eval_stats(running_mean, running_var, eps)
+        else:  # normalised with the running statistics (as _eval_stats)
+            mean, var = running_mean.astype(np.float64), running_var.astype(np.float64)
+        invstd, coef = kernels.normalize_coefficients(mean, var, eps, scale_weight, shift_bias,
+                                                      compute)
         if fused is None and input.size:
-            coef = np.zeros((4, n_channels), dtype=compute)
-            coef[kernels.SCALE], coef[kernels.BIAS] = invstd * scale_weight, shift_bias
-            coef[kernels.MEAN] = mean
             kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x, z=z,
                                 aux=mask_kernel)
     output = finish_output(output, out)
@@ -302,20 +309,20 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     out = check.out_array(out, input, grad_out) if mask[0] else None
     n_channels = input.shape[axis]
     save_mean, save_invstd = check.save_stats(save_mean, save_invstd)
-    params = {name: check.param_vector(name, value, input, axis)
-              for name, value in (("weight", weight), ("running_mean", running_mean),
-                                  ("running_var", running_var), ("save_mean", save_mean),
-                                  ("save_invstd", save_invstd))}
-    check.running_var(params["running_var"])
-    running = check.running_stats_for_eval(train, params["running_mean"], params["running_var"])
-    out_dtype = check.param_dtype(input.dtype, params["weight"],
-                                  [params[n] for n in ("running_mean", "running_var",
-                                                       "save_mean", "save_invstd")])
+    weight = check.param_vector("weight", weight, input, axis)
+    running_mean = check.param_vector("running_mean", running_mean, input, axis)
+    running_var = check.param_vector("running_var", running_var, input, axis)
+    save_mean = check.param_vector("save_mean", save_mean, input, axis)
+    save_invstd = check.param_vector("save_invstd", save_invstd, input, axis)
+    check.running_var(running_var)
+    running = check.running_stats_for_eval(train, running_mean, running_var)
+    out_dtype = check.param_dtype(input.dtype, weight,
+                                  (running_mean, running_var, save_mean, save_invstd))
     count = _count(input, axis)
-    w = _f64(params["weight"], n_channels, 1.0)
+    w = _f64(weight, n_channels, 1.0)
 
-    with parallel_region(threads):
-        layout = plan(input, grad_out, axis)
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads))
+    with kernels.region(layout.kernel):
         y = None if relu is None else layout.canonical(relu)
         side_kernel: Optional[Array] = None
         side: Optional[Array] = None
@@ -325,12 +332,12 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
             mean = invstd = np.zeros(n_channels)
         elif running is not None:  # eval mode
             mean, invstd = _eval_stats(*running, eps)
-        elif params["save_mean"] is None or params["save_invstd"] is None:
+        elif save_mean is None or save_invstd is None:
             mean, var = _moments(layout, input, axis, count)
             invstd = 1.0 / np.sqrt(var + eps)
         else:
-            mean = params["save_mean"].astype(np.float64)
-            invstd = params["save_invstd"].astype(np.float64)
+            mean = save_mean.astype(np.float64)
+            invstd = save_invstd.astype(np.float64)
 
         grad_input = None
         if mask[0]:
@@ -404,11 +411,11 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
              (("input_g", input_g), ("weight_g", weight_g), ("bias_g", bias_g))]
     threads = check.num_threads(num_threads)
     out_dtype = check.param_dtype(input.dtype, weight, [mean, invstd])
-    with parallel_region(threads):
-        if input.size == 0:
-            sum_dy, sum_dy_xmu = np.zeros(n_channels), np.zeros(n_channels)
-        else:
-            layout = plan(input, grad_out, axis)
+    if input.size == 0:
+        sum_dy, sum_dy_xmu = np.zeros(n_channels), np.zeros(n_channels)
+    else:
+        layout = plan(input, grad_out, axis, resolve_num_threads(threads))
+        with kernels.region(layout.kernel):
             sum_dy, sum_dy_xmu = kernels.reduce(layout.kernel, layout.x, layout.grad,
                                                 mean.astype(np.float64))
     grad_weight = sum_dy_xmu * invstd.astype(np.float64)
@@ -454,8 +461,8 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     total = check.count(count)
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, grad_out)
-    with parallel_region(threads):
-        layout = plan(input, grad_out, axis)
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads))
+    with kernels.region(layout.kernel):
         grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         if input.size:
             coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
@@ -471,7 +478,8 @@ def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
 
     The same plan serves every function called with the same arrays and threads (the
     training backward fuses on ``path='fused'``, the forward only for float64 data). Plans
-    depend on the thread count only through fusing, which gives the same bits either way.
+    depend on the thread count only through fusing and through running serially ("(serial)":
+    small calls and one thread, docs/internals.md), neither of which changes a bit.
 
     Parameters
     ----------
@@ -491,8 +499,7 @@ def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
     else:
         grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     threads = check.num_threads(num_threads)
-    with parallel_region(threads):
-        layout = plan(input, grad_out, axis)
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads))
     return (f"input {input.shape} {input.dtype.name}, channel axis {axis}: memory order "
             f"{layout.order}, kernel view {layout.x.shape} {layout.x.dtype.name}, copied: "
             f"{', '.join(layout.copied) or 'nothing'}\n{layout.kernel!r}")

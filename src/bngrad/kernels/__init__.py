@@ -18,23 +18,52 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
-from typing import Iterator, Optional, Tuple, Union
+import types
+from typing import Any, ContextManager, Optional, Tuple, Union
 
 import numpy as np
 
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
-from ._plan import PATHS, Config, KernelPlan, LanePiece, _ceil_div, forced_path, override, plan
+from .._threads import parallel_region
+from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, forced_path, override, plan,
+                    runs_serial)
 
 __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
            "as_kernel_array", "backward_train", "compute_dtype", "copy_rows", "elementwise",
-           "forced_path", "forward_train", "override", "plan", "reduce", "train_coefficients",
-           "transpose_last_two"]
+           "forced_path", "forward_train", "moments", "normalize_coefficients", "override", "plan",
+           "reduce", "train_coefficients", "transpose_last_two"]
 
-# Who runs the work items: the launchers at the end of kernels.batchnorm (prange), the one
-# seam to swap (see there).
+# Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
+# of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them in parallel (the
+# prange launchers at the end of kernels.batchnorm; the seam a backend swaps), ``serial`` on the
+# calling thread; :func:`launcher` chooses, for every launch, in this one place.
+LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
+             "elementwise_lanes", "backward_fused", "forward_fused", "copy_rows",
+             "transpose_last_two")
 launch = k
+serial = types.SimpleNamespace(**{name: getattr(k, name + "_serial") for name in LAUNCHERS})
+
+
+def launcher(serial_call: bool, n: int) -> Any:
+    """The launchers for ``n`` items of a call: serial for a serial call (small work or one
+    thread: kernels._plan.runs_serial, which ``KernelPlan.serial`` records), or where there
+    is one item only (nothing to share, and a launch would still wake the pool); else
+    ``launch``."""
+    return serial if serial_call or n < 2 else launch
+
+
+def region(plan: KernelPlan) -> ContextManager[None]:
+    """What a call planned by ``plan`` runs its kernels inside: bngrad._threads'
+    parallel_region on the plan's threads, or, for a serial call, nothing: no native thread
+    is involved, so there is no thread count to set and nothing for the fork gate to guard
+    (a fork copies only the forking thread, and a serial kernel holds no lock of the pool's).
+    A parallel launch of a serial call's (the layout's copies) opens its own region."""
+    return _NO_REGION if plan.serial else parallel_region(plan.threads)
+
+
+_NO_REGION = contextlib.nullcontext()
 
 
 # the elementwise pass's second output: an array like out, the forward's mask bits with the
@@ -44,21 +73,23 @@ Aux = Union[np.ndarray, Tuple[np.ndarray, int], None]
 _scratch = threading.local()
 
 
-@contextlib.contextmanager
-def _partial_sums(shape: tuple[int, ...]) -> Iterator[np.ndarray]:
-    """A float64 array for a reduction's partial sums (the kernels overwrite every element),
-    reused by this thread's next calls: fresh pages cost a page fault each (docs/internals.md).
-    Checked out while in use, so that a call nested on this thread (a signal handler or
-    finaliser between the outer call's kernels) gets a fresh array instead of this one."""
+def _partial_sums(shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """(array, buffer): a float64 array for a reduction's partial sums (the kernels overwrite
+    every element) in ``buffer``, which this thread's next calls reuse: fresh pages cost a page
+    fault each (docs/internals.md). Checked out until :func:`_return_partial_sums` gives the
+    buffer back, so that a call nested on this thread (a signal handler or finaliser between
+    the outer call's kernels) gets a fresh array instead of this one. (Two plain calls, not a
+    context manager: a generator-based one costs more than a small reduction.)"""
     n = math.prod(shape)
     buffer = getattr(_scratch, "partial", None)
     _scratch.partial = None
     if buffer is None or buffer.size < n:
         buffer = np.empty(n)
-    try:
-        yield buffer[:n].reshape(shape)
-    finally:
-        _scratch.partial = buffer
+    return buffer[:n].reshape(shape), buffer
+
+
+def _return_partial_sums(buffer: np.ndarray) -> None:
+    _scratch.partial = buffer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,16 +113,6 @@ def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
     return values
 
 
-def _add_lanes(total: np.ndarray, lane_sums: np.ndarray, piece: LanePiece) -> None:
-    """total[c] += the sums of channel c's lanes, one lane at a time, in lane order."""
-    if piece.spread is None:
-        total += lane_sums
-        return
-    C = len(total)
-    k.add_lanes(total, lane_sums.reshape(C, piece.times).T if piece.spread == "repeat"
-                else lane_sums.reshape(piece.times, C))
-
-
 def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
            shift: Optional[np.ndarray] = None, y: Optional[np.ndarray] = None
            ) -> tuple[np.ndarray, np.ndarray]:
@@ -99,33 +120,64 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
     with dy = x and shift = mean, the second pass of the variance. Given ``y``, dy is first
     masked by the ReLU it records."""
     C = x.shape[1]
-    shift = np.zeros(C) if shift is None else shift
     sums = (np.zeros(C), np.zeros(C))
     if plan.path == "lanes":
         for piece in plan.reduce_pieces:
-            px, pdy, py = (_piece_view(a, piece) for a in (x, dy, y))
+            px = _piece_view(x, piece)
+            pdy = px if dy is x else _piece_view(dy, piece)
+            py = None if y is None else _piece_view(y, piece)
             assert px is not None
             M, L = px.shape
-            with _partial_sums((_ceil_div(M, piece.rows), 2, L)) as partial:
-                launch.reduce_lanes(partial.shape[0] * _ceil_div(L, piece.cols), px, pdy, py,
-                                    _spread(mean, piece), _spread(shift, piece), piece.rows,
-                                    piece.cols, partial)
-                for i, total in enumerate(sums):  # blocks, then lanes, in a fixed order
-                    lane_sums = np.zeros(L)
-                    k.add_lanes(lane_sums, partial[:, i])
-                    _add_lanes(total, lane_sums, piece)
+            lane_mean = _spread(mean, piece)
+            lane_shift = (lane_mean if shift is mean else np.zeros(L) if shift is None
+                          else _spread(shift, piece))
+            partial, buffer = _partial_sums((_ceil_div(M, piece.rows), 2, L))
+            try:
+                n = partial.shape[0] * _ceil_div(L, piece.cols)
+                launcher(plan.serial, n).reduce_lanes(n, px, pdy, py, lane_mean, lane_shift,
+                                                      piece.rows, piece.cols, partial)
+                # blocks, then lanes, in a fixed order
+                k.combine_lanes(partial, piece.spread == "repeat", piece.times, *sums)
+            finally:
+                _return_partial_sums(buffer)
         return sums
     A, _, B = x.shape
-    with _partial_sums((plan.blocks, plan.segments, C, 2)) as partial:
+    if shift is None:
+        shift = np.zeros(C)
+    partial, buffer = _partial_sums((plan.blocks, plan.segments, C, 2))
+    try:
         if plan.path == "short":  # never fused, so its own order
-            launch.reduce_short(plan.blocks * _ceil_div(C, plan.group), x.reshape(A, C * B),
-                                dy.reshape(A, C * B), None if y is None else y.reshape(A, C * B),
-                                B, mean, shift, plan.rows, plan.group, partial)
+            n = plan.blocks * _ceil_div(C, plan.group)
+            launcher(plan.serial, n).reduce_short(
+                n, x.reshape(A, C * B), dy.reshape(A, C * B),
+                None if y is None else y.reshape(A, C * B), B, mean, shift, plan.rows,
+                plan.group, partial)
         else:
-            launch.reduce_runs(partial.shape[0] * partial.shape[1] * C, x, dy, y, mean,
-                               shift, plan.rows, plan.seg, partial)
+            n = partial.shape[0] * partial.shape[1] * C
+            launcher(plan.serial, n).reduce_runs(n, x, dy, y, mean, shift, plan.rows,
+                                                 plan.seg, partial)
         k.combine_channels_first(partial, *sums)
+    finally:
+        _return_partial_sums(buffer)
     return sums
+
+
+def moments(shift: np.ndarray, sum_d: np.ndarray, sum_d2: np.ndarray, count: int
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, biased var) in float64 from the sums of d = x - shift and d**2 over ``count``
+    elements per channel (bngrad.api._moments)."""
+    mean, var = np.empty(len(shift)), np.empty(len(shift))
+    k.finish_moments(shift, sum_d, sum_d2, float(count), mean, var)
+    return mean, var
+
+
+def normalize_coefficients(mean: np.ndarray, var: np.ndarray, eps: float, weight: np.ndarray,
+                           bias: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(invstd in float64, the normalize pass's coefficient rows in ``dtype``: SCALE =
+    invstd * weight, BIAS, MEAN) from float64 statistics and parameters."""
+    invstd, coef = np.empty(len(mean)), np.empty((4, len(mean)), dtype=dtype)
+    k.normalize_coefficients(mean, var, float(eps), weight, bias, invstd, coef)
+    return invstd, coef
 
 
 def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -> np.ndarray:
@@ -157,14 +209,15 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
             paux = _piece_aux(aux, piece, out.shape[1])
             assert pout is not None
             M, L = pout.shape
-            launch.elementwise_lanes(_ceil_div(M, piece.rows) * _ceil_div(L, piece.cols), px,
-                                     pdy, py, pz, pout, paux, _spread(coef, piece), piece.rows,
-                                     piece.cols)
+            n = _ceil_div(M, piece.rows) * _ceil_div(L, piece.cols)
+            launcher(plan.serial, n).elementwise_lanes(n, px, pdy, py, pz, pout, paux,
+                                                       _spread(coef, piece), piece.rows,
+                                                       piece.cols)
     else:  # short: groups of whole runs; runs, fused: run segments
         A, C, B = out.shape
         group, seg = (plan.group, B) if plan.path == "short" else (1, plan.seg)
-        launch.elementwise_runs(A * _ceil_div(C, group) * _ceil_div(B, seg), x, dy, y, z, out,
-                                aux, coef, group, seg)
+        n = A * _ceil_div(C, group) * _ceil_div(B, seg)
+        launcher(plan.serial, n).elementwise_runs(n, x, dy, y, z, out, aux, coef, group, seg)
 
 
 def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=None, aux=None):
@@ -177,8 +230,8 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
     C = x.shape[1]
     mean, var = np.empty(C), np.empty(C)
     coef = np.zeros((4, C), dtype=dtype)
-    launch.forward_fused(C, x, z, out, aux, weight, bias, float(eps), float(count), plan.rows,
-                         plan.seg, mean, var, coef)
+    launcher(plan.serial, C).forward_fused(C, x, z, out, aux, weight, bias, float(eps),
+                                           float(count), plan.rows, plan.seg, mean, var, coef)
     return mean, var
 
 
@@ -190,8 +243,9 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
         coef = np.empty((4, C), dtype=dtype)
-        launch.backward_fused(C, x, dy, y, out, aux, mean, invstd, weight, float(count),
-                              plan.rows, plan.seg, sum_dy, sum_dy_xmu, coef)
+        launcher(plan.serial, C).backward_fused(C, x, dy, y, out, aux, mean, invstd, weight,
+                                                float(count), plan.rows, plan.seg, sum_dy,
+                                                sum_dy_xmu, coef)
         return sum_dy, sum_dy_xmu
     sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean, y=y)
     coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)
@@ -202,12 +256,20 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
 # ---------------------------------------------------------------------------------------------
 # layout copies (bngrad._layout)
 
-def copy_rows(source: np.ndarray, out: np.ndarray) -> None:
-    """out[i, :] = source[i, :], rows in parallel; ``source`` may have any strides."""
-    launch.copy_rows(source.shape[0], source, out)
+def copy_rows(source: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """out[i, :] = source[i, :], rows in parallel on ``threads`` threads where it pays;
+    ``source`` may have any strides."""
+    n = source.shape[0]
+    run = launcher(runs_serial(out.size, threads), n)
+    with _NO_REGION if run is serial else parallel_region(threads):
+        run.copy_rows(n, source, out)
 
 
-def transpose_last_two(source: np.ndarray, out: np.ndarray) -> None:
-    """out[a, q, p] = source[a, p, q], both C-contiguous, in parallel tiles of 32 x 32."""
+def transpose_last_two(source: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """out[a, q, p] = source[a, p, q], both C-contiguous, in tiles of 32 x 32, in parallel on
+    ``threads`` threads where it pays."""
     A, C, B = out.shape
-    launch.transpose_last_two(A * _ceil_div(C, 32) * _ceil_div(B, 32), source, out)
+    n = A * _ceil_div(C, 32) * _ceil_div(B, 32)
+    run = launcher(runs_serial(out.size, threads), n)
+    with _NO_REGION if run is serial else parallel_region(threads):
+        run.transpose_last_two(n, source, out)

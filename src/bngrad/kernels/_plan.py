@@ -13,13 +13,18 @@ cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with example
 
 ``fused`` and ``runs`` share tiles and order (kernels.batchnorm), so the one choice that depends
 on the thread count gives the same bits (tests/test_paths.py); all others depend on the shape.
+
+:func:`runs_serial` decides, for every call, whether its items run on the calling thread (the
+serial launchers) instead of Numba's pool: when one thread is asked for, or when the work is
+too small for a parallel launch to pay (``Config.serial_elements``). The items and their order
+are the same either way, so is every bit.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
+import math
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -45,6 +50,9 @@ class Config:
     fused_min_run: int = 256          # shorter runs take the short kernels, never fused
     short_group_lanes: int = 1536     # lanes per task of the short kernels
     fused_channels_per_thread: int = 4  # fewer channels per thread leave threads idle: no fusing
+    # elements whose serial work costs about one parallel launch (waking the pool): smaller
+    # calls run serially (runs_serial scales it by the threads; docs/internals.md)
+    serial_elements: int = 1 << 16
 
 
 _config = Config()
@@ -56,10 +64,12 @@ def override(**values: int) -> Iterator[Config]:
     """Tests: run the enclosed calls with some tuning constants changed (not thread-safe)."""
     global _config
     previous, _config = _config, dataclasses.replace(_config, **values)
+    _plans.clear()
     try:
         yield _config
     finally:
         _config = previous
+        _plans.clear()
 
 
 @contextlib.contextmanager
@@ -69,14 +79,30 @@ def forced_path(path: str) -> Iterator[None]:
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; expected one of {PATHS}")
     previous, _forced = _forced, path
+    _plans.clear()
     try:
         yield
     finally:
         _forced = previous
+        _plans.clear()
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def runs_serial(elements: int, threads: int) -> bool:
+    """Whether a call on ``elements`` elements with ``threads`` threads runs serially.
+
+    A launch on t threads saves at most (1 - 1/t) of the serial time, so it cannot pay unless
+    that exceeds the launch's own cost, ``serial_elements`` elements' worth of serial work:
+    serial below ``serial_elements * t / (t - 1)`` elements, and always on one thread.
+    """
+    return _runs_serial(_config, elements, threads)
+
+
+def _runs_serial(cfg: Config, elements: int, threads: int) -> bool:
+    return threads <= 1 or elements * (threads - 1) < cfg.serial_elements * threads
 
 
 @dataclass(frozen=True)
@@ -110,6 +136,7 @@ class KernelPlan:
     shape: tuple[int, ...]
     threads: int
     forced: bool = False
+    serial: bool = False  # the items run on the calling thread (runs_serial)
     rows: int = 0
     seg: int = 0
     group: int = 0
@@ -126,7 +153,7 @@ class KernelPlan:
 
     def __repr__(self) -> str:
         head = (f"KernelPlan(path={self.path!r}{' (forced)' if self.forced else ''}, "
-                f"shape={self.shape}, threads={self.threads}")
+                f"shape={self.shape}, threads={self.threads}{' (serial)' if self.serial else ''}")
         if self.path == "lanes":
             return "\n  ".join([head + ")", "reduce:"] + [f"  {p!r}" for p in self.reduce_pieces]
                                + ["elementwise:"] + [f"  {p!r}" for p in self.elemt_pieces])
@@ -164,23 +191,37 @@ def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bo
     return tuple(pieces)
 
 
-@functools.lru_cache(maxsize=256)
 def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[str]
           ) -> KernelPlan:
     if forced not in (None, "lanes") and len(shape) == 2:
         raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
+    serial = _runs_serial(cfg, math.prod(shape), threads)
     if len(shape) == 2 or forced == "lanes" or (forced is None and shape[2] < cfg.short_run):
-        return KernelPlan("lanes", shape, threads, forced is not None,
+        return KernelPlan("lanes", shape, threads, forced is not None, serial,
                           reduce_pieces=_lane_pieces(cfg, shape, cfg.fold_lanes, True),
                           elemt_pieces=_lane_pieces(cfg, shape, cfg.elemt_lanes, False))
     A, C, B = shape
     rows, seg = (1, cfg.tile) if B >= cfg.tile else (max(1, cfg.tile // max(B, 1)), max(B, 1))
     path = forced or ("short" if B < cfg.fused_min_run
                       else "fused" if C >= cfg.fused_channels_per_thread * threads else "runs")
-    return KernelPlan(path, shape, threads, forced is not None, rows=rows, seg=seg,
+    return KernelPlan(path, shape, threads, forced is not None, serial, rows=rows, seg=seg,
                       group=_ceil_div(cfg.short_group_lanes, max(B, 1)))
 
 
-def plan(x: np.ndarray) -> KernelPlan:
-    """The plan for canonical array ``x`` on the thread count in force."""
-    return _plan(x.shape, current_num_threads(), _config, _forced)
+# Plans by (shape, threads), for the configuration in force: a dict lookup, where an lru_cache
+# keyed on the Config as well would hash its eleven fields on every call. Emptied whenever the
+# configuration or the forced path changes (override, forced_path) and when it grows large.
+_plans: dict[tuple[tuple[int, ...], int], KernelPlan] = {}
+
+
+def plan(x: np.ndarray, threads: Optional[int] = None) -> KernelPlan:
+    """The plan for canonical array ``x`` on ``threads`` threads (None: the count in force)."""
+    if threads is None:
+        threads = current_num_threads()
+    key = (x.shape, threads)
+    found = _plans.get(key)
+    if found is None:
+        if len(_plans) >= 256:
+            _plans.clear()
+        found = _plans[key] = _plan(x.shape, threads, _config, _forced)
+    return found

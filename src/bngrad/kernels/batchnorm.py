@@ -425,16 +425,6 @@ def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
     _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean[c0:c1], shift[c0:c1], psd, psx)
 
 
-# Serial: the partial sums are at most a few MiB, and a parallel launch costs more (measured
-# 77 us for (32, 2, 4096)).
-@njit(**_JIT)
-def add_lanes(total, per_lane):
-    """total[c] += per_lane[i, c], for i = 0, 1, 2, ... in that order."""
-    for i in range(per_lane.shape[0]):
-        for c in range(per_lane.shape[1]):
-            total[c] += per_lane[i, c]
-
-
 @njit(**_JIT)
 def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
     """One item per (rows block, column group), so that few rows still make many items."""
@@ -531,3 +521,114 @@ def copy_rows(n, source, out):
 def transpose_last_two(n, source, out):
     for item in prange(n):
         transpose_item(item, source, out)
+
+
+# Serial launchers: the same items in the same order on the calling thread, for calls too small
+# for a parallel launch to pay (kernels._plan.runs_serial decides, kernels.launcher picks).
+# Plain @njit loops: they never enter Numba's parallel machinery (no thread pool wake-up, no
+# set_num_threads), and since each item writes only its own outputs and the combination
+# happens afterwards, their results are bitwise those of the prange launchers above.
+
+@njit(**_JIT)
+def reduce_runs_serial(n, x, dy, y, mean, shift, rows, seg, partial):
+    for item in range(n):
+        reduce_runs_item(item, x, dy, y, mean, shift, rows, seg, partial)
+
+
+@njit(**_JIT)
+def reduce_short_serial(n, x2, d2, y2, B, mean, shift, rows, group, partial):
+    for item in range(n):
+        reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial)
+
+
+@njit(**_JIT)
+def reduce_lanes_serial(n, x, dy, y, mean, shift, rows, cols, partial):
+    for item in range(n):
+        reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial)
+
+
+@njit(**_JIT)
+def elementwise_runs_serial(n, x, dy, y, z, out, aux, coef, group, seg):
+    for item in range(n):
+        elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg)
+
+
+@njit(**_JIT)
+def elementwise_lanes_serial(n, x, dy, y, z, out, aux, coef, rows, cols):
+    for item in range(n):
+        elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols)
+
+
+@njit(**_JIT)
+def backward_fused_serial(n, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg, sum_dy,
+                          sum_dy_xmu, coef):
+    for c in range(n):
+        backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg,
+                            sum_dy, sum_dy_xmu, coef)
+
+
+@njit(**_JIT)
+def forward_fused_serial(n, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var,
+                         coef):
+    for c in range(n):
+        forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var,
+                           coef)
+
+
+@njit(**_JIT)
+def copy_rows_serial(n, source, out):
+    for i in range(n):
+        copy_rows_item(i, source, out)
+
+
+@njit(**_JIT)
+def transpose_last_two_serial(n, source, out):
+    for item in range(n):
+        transpose_item(item, source, out)
+
+
+# The lane reduction's combination (kernels.reduce): per sum, the row blocks' lane sums in block
+# order, then each channel's lanes in lane order into its total. One call (its two former steps
+# cost four dispatches, which matters on small arrays), the same adds in the same order, so the
+# same bits. Serial: the partial sums are at most a few MiB, and a parallel launch costs more
+# (measured 77 us for (32, 2, 4096)).
+@njit(**_JIT)
+def combine_lanes(partial, repeat, times, sum_dy, sum_dy_xmu):
+    """sum_dy[c] (sum_dy_xmu[c]) += partial[:, 0 (1), lanes of c] over blocks, then lanes;
+    lane ``c*times + t`` of channel c where ``repeat``, else lane ``t*C + c``."""
+    C, L = sum_dy.shape[0], partial.shape[2]
+    lanes = np.empty(L)
+    for i in range(2):
+        total = sum_dy if i == 0 else sum_dy_xmu
+        lanes[:] = 0.0
+        for j in range(partial.shape[0]):
+            for q in range(L):
+                lanes[q] += partial[j, i, q]
+        for t in range(times):
+            for c in range(C):
+                total[c] += lanes[c * times + t] if repeat else lanes[t * C + c]
+
+
+# The forward's per-channel statistics and coefficients in one call each (bngrad.api): a dozen
+# NumPy operations on (C,) vectors cost more than a small call's kernels. The same IEEE
+# operations in the same order as the NumPy expressions they replace (and as forward_fused_item),
+# so the same bits; NaN stays NaN (not max()).
+@njit(**_JIT)
+def finish_moments(shift, sum_d, sum_d2, count, mean, var):
+    """mean = shift + sum_d / count; var = max(sum_d2 - sum_d * sum_d / count, 0) / count."""
+    for c in range(mean.shape[0]):
+        mean[c] = shift[c] + sum_d[c] / count
+        v = sum_d2[c] - sum_d[c] * sum_d[c] / count
+        var[c] = (0.0 if v < 0.0 else v) / count
+
+
+@njit(**_JIT)
+def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
+    """invstd = 1 / sqrt(var + eps); the normalize pass's coefficient rows (coef's dtype)."""
+    for c in range(mean.shape[0]):
+        s = 1.0 / np.sqrt(var[c] + eps)
+        invstd[c] = s
+        coef[SCALE, c] = s * weight[c]
+        coef[PROJ, c] = 0.0
+        coef[BIAS, c] = bias[c]
+        coef[MEAN, c] = mean[c]

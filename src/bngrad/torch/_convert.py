@@ -90,11 +90,13 @@ def to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
     # Fast path (this runs ~10 times per layer and step): plain CPU tensors of our dtypes.
     # Anything unusual makes .numpy() raise, and the checks below explain what is wrong.
     # (``is_cpu`` is a plain flag; ``device.type`` would build a device object every call.)
+    # (``detach`` makes a new tensor object: only where autograd would refuse ``numpy``.)
     if isinstance(tensor, torch.Tensor) and tensor.is_cpu and tensor.dtype in _TORCH_TO_NUMPY:
         try:
-            if tensor.dtype is torch.bfloat16:
-                return tensor.detach().view(torch.int16).numpy().view(_BF16)
-            return tensor.detach().numpy()
+            plain = tensor.detach() if tensor.requires_grad else tensor
+            if plain.dtype is torch.bfloat16:
+                return plain.view(torch.int16).numpy().view(_BF16)
+            return plain.numpy()
         except (RuntimeError, TypeError):
             pass
     if not isinstance(tensor, torch.Tensor):

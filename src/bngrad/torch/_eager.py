@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,8 +48,14 @@ def _as(array, like: Optional[Tensor]):
     """A (C,) result of the NumPy API as a tensor in ``like``'s dtype (None if not needed)."""
     if array is None or like is None:
         return None
-    tensor = from_numpy(array)
+    # The API's (C,) results are fresh, writable, contiguous: torch.from_numpy takes NumPy's
+    # own dtypes as they are (from_numpy's checks are for anything else, bfloat16 included).
+    tensor = (torch.from_numpy(array) if array.dtype in _NATIVE and array.flags.writeable
+              else from_numpy(array))
     return tensor if tensor.dtype == like.dtype else tensor.to(like.dtype)
+
+
+_NATIVE = frozenset(np.dtype(name) for name in ("float64", "float32", "float16"))
 
 
 def _forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
@@ -117,8 +124,9 @@ def _differentiable_backward(ctx, saved, grad_out, mask):
 
 def batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps):
     """``bngrad.torch.batch_norm`` on plain CPU tensors in eager mode (see module docstring)."""
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                       for t in (input, weight, bias)):
+    if torch.is_grad_enabled() and (input.requires_grad
+                                    or (weight is not None and weight.requires_grad)
+                                    or (bias is not None and bias.requires_grad)):
         return _BatchNorm.apply(input, weight, bias, running_mean, running_var, training,
                                 momentum, eps)
     return _forward(input, weight, bias, running_mean, running_var, training, momentum, eps)[0]
