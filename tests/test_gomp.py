@@ -1,12 +1,16 @@
-"""bngrad._gomp: kernels launched on PyTorch's OpenMP team (issue 12, item 1 prototype).
+"""bngrad.torch's kernels on PyTorch's OpenMP team (bngrad._gomp, kernels._gomp_launch).
 
-Results must be bitwise those of the prange kernels on any team size, every item must run
-exactly once, the team must be PyTorch's (no second pool of threads), a forked child must
-finish, and Python threads launching at once must not disturb each other.
+Every launcher on the team gives bitwise the results of Numba's pool, on any team size; every
+item runs exactly once; the team is PyTorch's (no second pool of threads); a forked child
+finishes (a DataLoader worker with one thread, and one left at two threads); Python threads
+calling bngrad.torch at once get the serial results; NumPy calls stay on Numba's pool; where
+PyTorch's libgomp is missing, bngrad.torch falls back to Numba's pool and says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -15,103 +19,133 @@ import threading
 
 import numpy as np
 import pytest
-from numba import carray, njit
+from numba import njit
 
-from bngrad import _gomp
+from bngrad import _gomp, kernels
+from bngrad.kernels import _gomp_launch
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not _gomp.available(),
                                 reason=f"bngrad._gomp unavailable: {_gomp.unavailable_reason()}")
+bt = pytest.importorskip("bngrad.torch")
 
-THREADS = [1, 2, 4]
-# (A, C, B), seg: one segment per run, runs cut in segments with a ragged last one, tiny.
-CASES = [((4, 8, 256), 256), ((3, 5, 300), 128), ((1, 1, 7), 7)]
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHILD_ENV = {**os.environ, "BNGRAD_TORCH_POOL": "torch"}  # the team is off by default
 
 
-def _data(shape, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.standard_normal(shape, dtype=np.float32) * 3 + 1
-    dy = rng.standard_normal(shape, dtype=np.float32)
-    coef = rng.standard_normal((4, shape[1])).astype(np.float32)
-    return x, dy, coef
+@pytest.fixture(autouse=True)
+def torch_pool():
+    """These tests run bngrad.torch on PyTorch's team (off by default)."""
+    bt.set_kernel_pool("torch")
+    yield
+    bt.set_kernel_pool("numba")
 
 
 def _bits(a):
-    return a.view(np.uint32 if a.dtype == np.float32 else np.uint64)
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(f"u{a.itemsize}")
 
 
-def _elemt_numpy(x, dy, coef):
-    """a*dy - b*(x - mean) - d in float32, operation by operation, as the kernel does it."""
-    a, b, d, m = (coef[i][None, :, None] for i in range(4))
-    return a * dy - b * (x - m) - d
+# --- every launcher, bitwise against Numba's pool ----------------------------------------------
+
+# test_determinism's shapes (every path, both layouts, fused or not, several row blocks), and
+# the layout's parallel copies: a cropped input, copied by rows (copy_rows), and grad_out
+# channels-last beside a channels-first input, transposed (transpose_last_two).
+EXTRA_SHAPES = [("cropped-6x5x7x40", (6, 5, 7, 40), 1, "cropped"),
+                ("mixed-8x64x16x16", (8, 64, 16, 16), 1, "mixed")]
+TEAM_THREADS = (2, 3, 4)
 
 
-def _reduce_numpy(x, dy, mean, rows, seg):
-    """The kernel's tile sums, each added in element order (cumsum adds sequentially)."""
-    A, C, B = x.shape
-    tiles = np.empty((-(-A // rows), -(-B // seg), C, 2))
-    for j in range(tiles.shape[0]):
-        for s in range(tiles.shape[1]):
-            for c in range(C):
-                d = dy[j * rows:(j + 1) * rows, c, s * seg:(s + 1) * seg].astype(np.float64)
-                xc = x[j * rows:(j + 1) * rows, c, s * seg:(s + 1) * seg].astype(np.float64)
-                tiles[j, s, c, 0] = np.cumsum(d.ravel())[-1]
-                tiles[j, s, c, 1] = np.cumsum((d * (xc - mean[c])).ravel())[-1]
-    return tiles
+def _case(variant, shape, axis, layout):
+    from conftest import make_case
+    if layout == "mixed":
+        return make_case(shape, axis, variant, "train", True, layouts=("contig", "chlast"),
+                         seed=21)
+    if layout != "cropped":
+        return make_case(shape, axis, variant, "train", True, layouts=(layout, layout), seed=21)
+    case = make_case(shape, axis, variant, "train", True, seed=21)
+    big = np.zeros(shape[:-1] + (shape[-1] + 8,), dtype=case.input.dtype)
+    big[..., :shape[-1]] = case.input
+    return dataclasses.replace(case, input=big[..., :shape[-1]])
 
 
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("shape,seg", CASES)
-def test_elemt_bitwise_equals_numpy(shape, seg, threads):
-    x, dy, coef = _data(shape)
-    out = np.full_like(x, np.nan)
-    _gomp.elemt_channels_first(x, dy, out, coef, seg, num_threads=threads)
-    np.testing.assert_array_equal(_bits(out), _bits(_elemt_numpy(x, dy, coef)))
+def child_main(out_path, shape_ids=None):  # runs in a child process with NUMBA_NUM_THREADS=4
+    import numba
+    import test_determinism as td
+
+    report = {"numba_threads": numba.config.NUMBA_NUM_THREADS, "cases": {}}
+    # serial_elements=0: every launch of these small arrays goes to a pool, never serial.
+    with kernels.override(serial_elements=0):
+        for variant in td.VARIANTS:
+            for shape_id, shape, axis, layout in td.SHAPES + EXTRA_SHAPES:
+                if shape_ids is not None and shape_id not in shape_ids:
+                    continue
+                case = _case(variant, shape, axis, layout)
+                for path in td.PATHS:
+                    base = td._run_path(path, case, 2)  # Numba's pool
+                    problem = None
+                    for t in TEAM_THREADS:
+                        got = _gomp.on_torch_team(td._run_path)(path, case, t)
+                        for i, (a, b) in enumerate(zip(base, got)):
+                            if a.dtype != b.dtype or a.shape != b.shape:
+                                problem = f"output {i}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+                            elif not np.array_equal(_bits(a), _bits(b)):
+                                problem = (f"output {i}: {int(np.sum(_bits(a) != _bits(b)))} of "
+                                           f"{a.size} elements differ on a team of {t}")
+                            if problem:
+                                break
+                        if problem:
+                            break
+                    report["cases"][f"{variant}-{shape_id}-{path}"] = problem
+    report["launched"] = {name: len(getattr(_gomp_launch, "_" + name).signatures)
+                          for name in kernels.LAUNCHERS}
+    with open(out_path, "w") as f:
+        json.dump(report, f)
 
 
-@pytest.mark.parametrize("threads", THREADS)
-@pytest.mark.parametrize("shape,seg", CASES)
-def test_reduce_bitwise_equals_numpy(shape, seg, threads):
-    x, dy, _ = _data(shape, seed=1)
-    mean = np.random.default_rng(2).standard_normal(shape[1])
-    rows = 3
-    ref = _reduce_numpy(x, dy, mean, rows, seg)
-    out = np.full_like(ref, np.nan)
-    _gomp.reduce_channels_first(x, dy, mean, rows, seg, out, num_threads=threads)
-    np.testing.assert_array_equal(_bits(out), _bits(ref))
+@pytest.fixture(scope="module")
+def child_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gomp") / "report.json"
+    env = {**CHILD_ENV, "NUMBA_NUM_THREADS": "4"}
+    code = (f"import sys; sys.path.insert(0, {HERE!r}); "
+            f"import test_gomp; test_gomp.child_main({str(out)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=1200)
+    assert proc.returncode == 0, f"child failed:\n{proc.stderr[-4000:]}"
+    with open(out) as f:
+        return json.load(f)
 
 
-def test_wrong_arguments_are_refused():
-    x, dy, coef = _data((2, 3, 4))
-    with pytest.raises(ValueError, match="float32"):
-        _gomp.elemt_channels_first(x, dy.astype(np.float64), x.copy(), coef, 4)
-    with pytest.raises(ValueError, match="shapes differ"):
-        _gomp.elemt_channels_first(x, dy[:1].copy(), x.copy(), coef, 4)
-    with pytest.raises(ValueError, match="seg must be at least 1"):
-        _gomp.elemt_channels_first(x, dy, x.copy(), coef, 0)
-    with pytest.raises(ValueError, match="partial"):
-        _gomp.reduce_channels_first(x, dy, np.zeros(3), 1, 4, np.zeros((2, 1, 3, 1)))
+def test_team_results_are_numbas_bitwise(child_report):
+    """Each path, dtype variant and layout on teams of 2, 3 and 4 vs Numba's pool on 2."""
+    assert child_report["numba_threads"] == 4
+    problems = {case: p for case, p in child_report["cases"].items() if p}
+    assert not problems, problems
+    assert len(child_report["cases"]) > 400
 
 
-@njit(nogil=True, error_model="numpy")
-def _count_body(item, args):
-    hits = carray(_gomp.voidptr(args[0]), args[1], np.int64)
+def test_every_launcher_ran_on_the_team(child_report):
+    assert all(child_report["launched"].values()), child_report["launched"]
+
+
+# --- the launch itself -------------------------------------------------------------------------
+
+@njit(nogil=True)
+def _count_item(item, hits):
     hits[item] += 1  # each item's own slot: a second run of an item would show as 2
 
 
-_count = _gomp.kernel(_count_body)
+@njit(nogil=True)
+def _count(parallel, team, n, *args):
+    _gomp_launch._run_items(_count_item, parallel, team, n, args)
 
 
-@pytest.mark.parametrize("n_items", [1, 2, 3, 7, 1000])
-@pytest.mark.parametrize("threads", THREADS)
-def test_every_item_runs_exactly_once(n_items, threads):
+@pytest.mark.parametrize("n_items", [0, 1, 2, 3, 7, 17, 1000])
+@pytest.mark.parametrize("team", [1, 2, 4])
+def test_every_item_runs_exactly_once(n_items, team):
     hits = np.zeros(n_items, dtype=np.int64)
-    _count.launch(np.array([_gomp.address(hits), n_items]), n_items, threads)
+    _count(_gomp.parallel_address(), team, n_items, hits)
     np.testing.assert_array_equal(hits, 1)
-
-
-def test_no_items_is_a_no_op():
-    _count.launch(np.array([0, 0]), 0, 2)  # the null address is never read
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
@@ -122,111 +156,73 @@ def test_runs_on_pytorchs_team_not_a_new_pool():
         (torch.ones(1 << 20) * 2).sum()  # PyTorch's team of 2 exists from here on
         before = len(os.listdir("/proc/self/task"))
         hits = np.zeros(64, dtype=np.int64)
-        _count.launch(np.array([_gomp.address(hits), 64]), 64, 2)
+        _count(_gomp.parallel_address(), 2, 64, hits)
         assert len(os.listdir("/proc/self/task")) == before
         np.testing.assert_array_equal(hits, 1)
     finally:
         torch.set_num_threads(previous)
 
 
-def test_python_threads_launching_at_once_match_serial():
-    shapes = [((8, 16, 300), 128), ((4, 32, 256), 256), ((16, 8, 100), 100), ((2, 3, 1000), 512)]
-    inputs = [_data(shape, seed=i) for i, (shape, _) in enumerate(shapes)]
-    serial = []
-    for (_, seg), (x, dy, coef) in zip(shapes, inputs):
-        ref = np.empty_like(x)
-        _gomp.elemt_channels_first(x, dy, ref, coef, seg, num_threads=1)
-        serial.append(ref)
-    results = [[] for _ in shapes]
-    start = threading.Barrier(len(shapes))
+# --- who runs what -----------------------------------------------------------------------------
 
-    def worker(i):
-        (_, seg), (x, dy, coef) = shapes[i], inputs[i]
-        start.wait()
-        for _ in range(20):
-            out = np.full_like(x, np.nan)
-            _gomp.elemt_channels_first(x, dy, out, coef, seg, num_threads=2)
-            results[i].append(out)
-
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(len(shapes))]
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join(timeout=60)
-    assert not any(w.is_alive() for w in workers), "a launching thread never finished"
-    for ref, outs in zip(serial, results):
-        assert len(outs) == 20
-        for out in outs:
-            np.testing.assert_array_equal(_bits(out), _bits(ref))
+def test_numpy_calls_keep_numbas_pool_and_torch_calls_get_the_team():
+    assert kernels.launcher(False, 10) is kernels.launch
+    assert _gomp.on_torch_team(kernels.launcher)(False, 10) is _gomp_launch
+    assert _gomp.on_torch_team(kernels.launcher)(True, 10) is kernels.serial  # small: serial
+    assert bt.kernel_pool() == "torch"
 
 
-_FORK_CHILD = textwrap.dedent("""
-    import os, signal, sys, time
-    import numpy as np
-    import torch
-    from bngrad import _gomp
-
-    torch.set_num_threads(2)
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((16, 32, 300), dtype=np.float32)
-    dy = rng.standard_normal((16, 32, 300), dtype=np.float32)
-    coef = rng.standard_normal((4, 32)).astype(np.float32)
-    a, b, d, m = (coef[i][None, :, None] for i in range(4))
-    ref = a * dy - b * (x - m) - d
-    # The parent's team of 2 exists (PyTorch's and ours) before the fork.
-    (torch.ones(1 << 20) * 2).sum()
-    _gomp.elemt_channels_first(x, dy, np.empty_like(x), coef, 128, num_threads=2)
-    for child in ("one-thread", "default-threads"):
-        pid = os.fork()
-        if pid == 0:
-            if child == "one-thread":
-                torch.set_num_threads(1)  # what a DataLoader worker does
-            out = np.empty_like(x)
-            _gomp.elemt_channels_first(x, dy, out, coef, 128)
-            os._exit(0 if np.array_equal(out.view(np.uint32), ref.view(np.uint32)) else 3)
-        deadline = time.monotonic() + 30
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                code = os.waitstatus_to_exitcode(status)
-                break
-            if time.monotonic() > deadline:  # hung: kill it rather than leave it behind
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                code = 124
-                break
-            time.sleep(0.01)
-        print(child, "exit", code)
-        if code:
-            sys.exit(code)
-""")
+def test_the_switch_and_the_default():
+    bt.set_kernel_pool("numba")
+    assert bt.kernel_pool() == "numba"
+    assert _gomp.on_torch_team(kernels.launcher)(False, 10) is kernels.launch
+    with pytest.raises(ValueError, match="expected one of"):
+        bt.set_kernel_pool("openmp")
+    code = ("import os; os.environ.pop('BNGRAD_TORCH_POOL', None); import bngrad.torch as bt; "
+            "assert bt.kernel_pool() == 'numba', bt.kernel_pool()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # off unless asked for
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
-def test_forked_children_complete():
-    """Children forked after both PyTorch and bngrad._gomp ran teams of 2 finish, with the
-    same bits: one set to one thread as a DataLoader worker is, and one left at two (where a
-    PyTorch operator would hang; bngrad._gomp runs serially in a forked child)."""
-    proc = subprocess.run([sys.executable, "-c", _FORK_CHILD], capture_output=True, text=True,
-                          timeout=90)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+def test_custom_ops_keep_their_schemas():
+    schema = str(torch.ops.bngrad.batch_norm_forward.default._schema)
+    assert schema.startswith("bngrad::batch_norm_forward(Tensor input, Tensor? weight"), schema
+
+
+def test_falls_back_to_numbas_pool_without_pytorchs_libgomp():
+    code = textwrap.dedent("""
+        import numpy as np, torch
+        from bngrad import _gomp, kernels
+        _gomp._runtime, _gomp._reason = None, "no libgomp (test)"  # as if it were not found
+        import bngrad.torch as bt
+        assert not _gomp.use_torch_team()
+        assert bt.kernel_pool() == "numba (PyTorch's OpenMP team is unavailable: no libgomp (test))"
+        assert _gomp.on_torch_team(kernels.launcher)(False, 10) is kernels.launch
+        x = torch.randn(32, 64, 16, 16, requires_grad=True)
+        bt.BatchNorm2d(64)(x).square().sum().backward()
+        assert torch.isfinite(x.grad).all()
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=CHILD_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_unavailable_without_torch():
     code = textwrap.dedent("""
         import sys
         sys.modules["torch"] = None  # import torch now raises ImportError
-        import numpy as np
         from bngrad import _gomp
         assert not _gomp.available()
         assert _gomp.unavailable_reason() == "PyTorch is not installed", _gomp.unavailable_reason()
+        _gomp.set_torch_pool("torch")
+        assert _gomp.torch_pool().startswith("numba (PyTorch's OpenMP team is unavailable")
         try:
-            _gomp.elemt_channels_first(*(np.zeros((1, 1, 1), np.float32),) * 3,
-                                       np.zeros((4, 1), np.float32), 1)
+            _gomp.parallel_address()
         except RuntimeError as exc:
             assert "PyTorch is not installed" in str(exc)
         else:
-            raise AssertionError("launch without PyTorch did not raise")
+            raise AssertionError("no error without PyTorch")
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120)
@@ -248,3 +244,136 @@ def test_finds_the_library_pytorch_loaded():
     if os.path.exists("/proc/self/maps"):
         with open("/proc/self/maps") as maps:
             assert os.path.realpath(path) in maps.read()
+
+
+def test_cache_stamp_covers_the_inlined_files():
+    """An edit to the items' files must recompile the launchers (Numba stamps a cache with
+    the function's own file only)."""
+    from bngrad.kernels._cache import HERE, InlinedSourcesLocator, sources_stamp
+    cache = _gomp_launch._reduce_runs._cache
+    assert isinstance(cache._impl.locator, InlinedSourcesLocator)  # _ops.py, _elements.py
+    assert cache._cache_file._source_stamp[1] == sources_stamp((os.path.join(HERE,
+                                                                             "batchnorm.py"),))
+
+
+
+# --- threads and fork --------------------------------------------------------------------------
+
+# Large enough that every call runs in parallel (kernels._plan.runs_serial), on the team.
+SHAPES = [(32, 64, 16, 16), (16, 128, 14, 14), (64, 256, 4, 4), (8, 32, 32, 32)]
+
+
+def _step(x, grad):
+    """bngrad.torch forward + backward: (output, grad_input, grad_weight, grad_bias)."""
+    m = bt.BatchNorm2d(x.shape[1])
+    with torch.no_grad():
+        m.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(1))
+    x = x.detach().requires_grad_(True)
+    y = m(x)
+    y.backward(grad)
+    return [t.detach().clone() for t in (y, x.grad, m.weight.grad, m.bias.grad)]
+
+
+def _inputs(shape, seed, channels_last=False):
+    g = torch.Generator().manual_seed(seed)
+    x, grad = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    if channels_last:
+        x, grad = (t.to(memory_format=torch.channels_last) for t in (x, grad))
+    return x, grad
+
+
+def test_python_threads_at_once_match_serial():
+    """8 Python threads calling bngrad.torch at once (each its own team) get the results of
+    the same calls made one at a time."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        work = [_inputs(SHAPES[i % len(SHAPES)], i, channels_last=i % 3 == 2) for i in range(8)]
+        serial = [_step(x, g) for x, g in work]
+        results: list[list] = [[] for _ in work]
+        start = threading.Barrier(len(work))
+
+        def worker(i):
+            torch.set_num_threads(2)  # per thread in PyTorch too
+            start.wait()
+            for _ in range(5):
+                results[i].append(_step(*work[i]))
+
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(work))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not any(t.is_alive() for t in threads), "a calling thread never finished"
+        for ref, outs in zip(serial, results):
+            assert len(outs) == 5
+            for out in outs:
+                for a, b in zip(ref, out):
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _numpy_step(x, grad):
+    """The NumPy API's forward + backward on the team (as bngrad.torch runs them)."""
+    import bngrad
+
+    @_gomp.on_torch_team
+    def step():
+        out, mean, invstd = bngrad.batch_norm_forward(x, train=True, num_threads=2)
+        return [out, *bngrad.batch_norm_backward(grad, x, None, None, None, mean, invstd,
+                                                 num_threads=2)]
+    return step()
+
+
+_FORK_CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    import numpy as np, torch
+    sys.path.insert(0, {here!r})
+    import test_gomp as tg
+
+    torch.set_num_threads(2)
+    inputs = tg._inputs((32, 64, 16, 16), 0)
+    ref = tg._step(*inputs)  # the parent's team of 2 (PyTorch's, running bngrad) exists
+    arrays = [t.numpy() for t in inputs]
+    ref_np = tg._numpy_step(*arrays)
+    for child in ("one-thread", "two-threads"):
+        pid = os.fork()
+        if pid == 0:
+            if child == "one-thread":  # what a DataLoader worker does, then bngrad.torch
+                torch.set_num_threads(1)
+                ok = all(all(torch.equal(a, b) for a, b in zip(ref, tg._step(*inputs)))
+                         for _ in range(2))
+            else:  # bngrad's kernels alone (PyTorch's own operators would hang here)
+                ok = all(all(np.array_equal(a, b) for a, b in zip(ref_np,
+                                                                   tg._numpy_step(*arrays)))
+                         for _ in range(2))
+            os._exit(0 if ok else 3)
+        deadline = time.monotonic() + 120
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:  # hung: kill it rather than leave it behind
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                code = 124
+                break
+            time.sleep(0.01)
+        print(child, "exit", code)
+        if code:
+            sys.exit(code)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_forked_children_complete():
+    """Children forked after bngrad.torch ran on PyTorch's team of 2 finish with the parent's
+    bits: one set to one thread as a DataLoader worker is runs bngrad.torch forward and
+    backward; one left at two threads runs bngrad's kernels as bngrad.torch calls them (on the
+    team: serially in a forked child), where a PyTorch operator would hang."""
+    proc = subprocess.run([sys.executable, "-c", _FORK_CHILD.format(here=HERE)],
+                          capture_output=True, text=True, timeout=300, env=CHILD_ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.split() == ["one-thread", "exit", "0", "two-threads", "exit", "0"]

@@ -23,6 +23,8 @@ from typing import Any, ContextManager, Optional, Tuple, Union
 
 import numpy as np
 
+from .. import _gomp
+from . import _gomp_launch
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
@@ -49,9 +51,12 @@ serial = types.SimpleNamespace(**{name: getattr(k, name + "_serial") for name in
 def launcher(serial_call: bool, n: int) -> Any:
     """The launchers for ``n`` items of a call: serial for a serial call (small work or one
     thread: kernels._plan.runs_serial, which ``KernelPlan.serial`` records), or where there
-    is one item only (nothing to share, and a launch would still wake the pool); else
-    ``launch``."""
-    return serial if serial_call or n < 2 else launch
+    is one item only (nothing to share, and a launch would still wake the pool); else, for
+    bngrad.torch's calls, PyTorch's OpenMP team (kernels._gomp_launch; where
+    bngrad._gomp.use_torch_team says so); else ``launch``."""
+    if serial_call or n < 2:
+        return serial
+    return _gomp_launch if _gomp.use_torch_team() else launch
 
 
 def region(plan: KernelPlan) -> ContextManager[None]:

@@ -41,3 +41,10 @@ __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormAddReLU1d", "B
            "BatchNormAddReLU3d", "BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d",
            "CollectiveError", "FusionReport", "FusionWarning", "SyncBatchNorm", "batch_norm",
            "batch_norm_add_relu", "batch_norm_relu", "convert", "ops", "revert"]
+
+# Which pool runs the kernels of bngrad.torch's calls: Numba's by default, PyTorch's own OpenMP
+# team with set_kernel_pool("torch") (bngrad._gomp; docs/torch.md, "Threads").
+from .._gomp import set_torch_pool as set_kernel_pool  # noqa: E402
+from .._gomp import torch_pool as kernel_pool  # noqa: E402
+
+__all__ += ["kernel_pool", "set_kernel_pool"]

@@ -28,6 +28,7 @@ from torch import Tensor
 
 import bngrad
 
+from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
 from ._convert import from_numpy, to_numpy, to_numpy_optional, torch_terms
 
@@ -58,6 +59,7 @@ def _as(array, like: Optional[Tensor]):
 _NATIVE = frozenset(np.dtype(name) for name in ("float64", "float32", "float16"))
 
 
+@_gomp.on_torch_team
 def _forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """(output, save_mean, save_invstd); running statistics updated in place in training."""
     output = torch.empty_like(input)
@@ -88,6 +90,7 @@ class _BatchNorm(torch.autograd.Function):
         return output
 
     @staticmethod
+    @_gomp.on_torch_team
     def backward(ctx, grad_out):
         input, weight, bias, running_mean, running_var = ctx.saved_tensors
         need = ctx.needs_input_grad

@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 import bngrad
 
+from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
 from . import _eager, functional, ops
 from ._convert import from_numpy, is_supported_device, to_numpy, to_numpy_optional, torch_terms
@@ -64,6 +65,7 @@ def unpack_mask(relu_mask: Tensor, like: Tensor) -> Tensor:
 # --- torch.ops.bngrad.batch_norm_relu_forward --------------------------------------------------
 
 @torch.library.custom_op("bngrad::batch_norm_relu_forward", mutates_args=(), device_types="cpu")
+@_gomp.on_torch_team
 def batch_norm_relu_forward(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                             running_mean: Optional[Tensor], running_var: Optional[Tensor],
                             side_input: Optional[Tensor], training: bool, momentum: float,
@@ -154,6 +156,7 @@ batch_norm_relu_forward.register_autograd(_forward_backward,
 
 @torch.library.custom_op("bngrad::batch_norm_relu_backward", mutates_args=(),
                          device_types="cpu")
+@_gomp.on_torch_team
 def batch_norm_relu_backward(grad_out: Tensor, input: Tensor, weight: Optional[Tensor],
                              running_mean: Optional[Tensor], running_var: Optional[Tensor],
                              save_mean: Optional[Tensor], save_invstd: Optional[Tensor],
@@ -248,6 +251,7 @@ class _BatchNormReLU(torch.autograd.Function):
         return output
 
     @staticmethod
+    @_gomp.on_torch_team
     def backward(ctx, grad_out):
         input, weight, bias, running_mean, running_var = ctx.saved_tensors
         need = ctx.needs_input_grad
@@ -269,6 +273,7 @@ class _BatchNormReLU(torch.autograd.Function):
                 None if g is None else from_numpy(g)) + (None,) * 6
 
 
+@_gomp.on_torch_team
 def _forward(input, weight, bias, side_input, running_mean, running_var, training, momentum,
              eps, activation):
     output = torch.empty_like(input)

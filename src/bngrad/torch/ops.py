@@ -36,6 +36,7 @@ from torch import Tensor
 
 import bngrad
 
+from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
 from ._convert import HALF, from_numpy, stat_dtype, to_numpy, to_numpy_optional, torch_terms
 
@@ -81,6 +82,7 @@ def _vector(array, dtype: torch.dtype, device: torch.device) -> Tensor:
 # --- batch_norm_forward -----------------------------------------------------------------------
 
 @torch.library.custom_op("bngrad::batch_norm_forward", mutates_args=(), device_types="cpu")
+@_gomp.on_torch_team
 def batch_norm_forward(input: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                        running_mean: Optional[Tensor], running_var: Optional[Tensor],
                        training: bool, momentum: float, eps: float
@@ -190,6 +192,7 @@ batch_norm_forward.register_autograd(_forward_backward, setup_context=_forward_s
 # --- batch_norm_backward ----------------------------------------------------------------------
 
 @torch.library.custom_op("bngrad::batch_norm_backward", mutates_args=(), device_types="cpu")
+@_gomp.on_torch_team
 def batch_norm_backward(grad_out: Tensor, input: Tensor, weight: Optional[Tensor],
                         running_mean: Optional[Tensor], running_var: Optional[Tensor],
                         save_mean: Optional[Tensor], save_invstd: Optional[Tensor],
@@ -356,6 +359,7 @@ batch_norm_backward.register_autograd(_double_backward, setup_context=_backward_
 
 @torch.library.custom_op("bngrad::batch_norm_backward_reduce", mutates_args=(),
                          device_types="cpu")
+@_gomp.on_torch_team
 def batch_norm_backward_reduce(grad_out: Tensor, input: Tensor, mean: Tensor, invstd: Tensor,
                                weight: Optional[Tensor], input_g: bool, weight_g: bool,
                                bias_g: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -382,6 +386,7 @@ def _(grad_out, input, mean, invstd, weight, input_g, weight_g, bias_g):
 
 @torch.library.custom_op("bngrad::batch_norm_backward_elemt", mutates_args=(),
                          device_types="cpu")
+@_gomp.on_torch_team
 def batch_norm_backward_elemt(grad_out: Tensor, input: Tensor, mean: Tensor, invstd: Tensor,
                               weight: Optional[Tensor], sum_dy: Tensor, sum_dy_xmu: Tensor,
                               count: Tensor) -> Tensor:
@@ -402,6 +407,7 @@ def _(grad_out, input, mean, invstd, weight, sum_dy, sum_dy_xmu, count):
 
 
 @torch.library.custom_op("bngrad::batch_norm_moments", mutates_args=(), device_types="cpu")
+@_gomp.on_torch_team
 def batch_norm_moments(input: Tensor) -> tuple[Tensor, Tensor]:
     """Per-channel (mean, biased variance) in float64, two-pass accurate."""
     mean, var = bngrad.batch_norm_moments(to_numpy(input, "input"),

@@ -31,6 +31,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 import bngrad as _api  # the public core API
 from .. import _dtypes
+from .. import _gomp
 from ..errors import ArgumentValueError, BngradError
 from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
@@ -107,6 +108,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Training-mode batch norm with statistics over every rank of ``group``."""
 
     @staticmethod
+    @_gomp.on_torch_team
     def forward(ctx: Any, input: torch.Tensor, weight: Optional[torch.Tensor],
                 bias: Optional[torch.Tensor], running_mean: Optional[torch.Tensor],
                 running_var: Optional[torch.Tensor], eps: float, momentum: float,
@@ -163,6 +165,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @_gomp.on_torch_team
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple:
         input, weight, mean, invstd = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[:3]

@@ -1,0 +1,275 @@
+"""Launchers on PyTorch's OpenMP team: kernels.batchnorm's launchers, another pool.
+
+Under ``bngrad.torch`` the kernels run their work items on the GNU OpenMP team PyTorch's own
+operators use, instead of Numba's TBB pool: two pools that each spin after their work take the
+cores from each other between a PyTorch operator and a bngrad call (issue 12).
+
+This module has the launchers' names and signatures (``reduce_runs(n, *args)``, ...: the
+end of kernels/batchnorm.py) and runs the same ``*_item`` functions for items ``0..n-1``. Each
+launcher is an ``njit`` function of the item's arguments, compiled per argument types as any
+Numba function; inside it, :func:`_run_items` emits the OpenMP region itself:
+
+- an *outlined function* ``void f(void *record)`` in the launcher's own LLVM module (so Numba's
+  disk cache keeps it, relocated like any call): it takes chunks of items from an atomic counter
+  in the record and runs ``item(i, *args)`` for each, the arguments being the launcher's own
+  Numba values (arrays as Numba's array structures: any dtype, ndim, layout, None), stored
+  once in the record on the launching thread's stack;
+- the launch ``GOMP_parallel(f, record, team, 0)`` through the address of the entry point in
+  the libgomp PyTorch loaded (bngrad._gomp finds it), a run-time argument, never a constant
+  compiled in; with a team of one (or a single item) the items run on the calling thread and
+  no OpenMP function is called at all.
+
+Chunks are taken dynamically (``n // (8 team)`` items, at least 1): on a machine whose cores
+other processes share, a contiguous static split waits for the thread that was preempted
+(measured 2.3x slower than TBB's work stealing at (32, 64, 784) on 2 loaded cores; dynamic
+chunks 0.6-0.9x TBB). Which thread runs an item cannot change a bit: items write only their
+own outputs, and the launch returns when all are done (the team's closing barrier orders
+their writes before the caller's reads).
+
+Numba keys a cached function on its own source file; these launchers inline the items of
+kernels/batchnorm.py and the maths of _ops.py and _elements.py, so their cache stamp includes
+those files' contents (kernels._cache, and :func:`_stamped` for batchnorm.py): an edit there
+recompiles them instead of leaving stale code behind.
+
+Team size: the region's thread count (``bngrad._threads.parallel_region``, i.e. the caller's
+``num_threads``: ``torch.get_num_threads()`` under bngrad.torch); 1 in a process forked after
+bngrad._gomp was imported (a GNU OpenMP team does not survive fork(); serial, same bits,
+never a hang: see bngrad._gomp).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import numba
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.core.caching import NullCache
+from numba.extending import intrinsic
+
+from .. import _gomp
+from . import batchnorm as _items
+from ._cache import HERE, sources_stamp
+
+__all__ = ["backward_fused", "copy_rows", "elementwise_lanes", "elementwise_runs",
+           "forward_fused", "reduce_lanes", "reduce_runs", "reduce_short",
+           "transpose_last_two"]
+
+# Chunks per thread of the dynamic schedule: enough that a thread preempted mid-launch leaves
+# its share to the others, few enough that a chunk still spans neighbouring items.
+_CHUNKS_PER_THREAD = 8
+
+
+def _worker(item: Callable) -> Callable:
+    """``worker(lo, hi, args)``: items lo..hi-1 of ``item`` (compiled inside the launcher)."""
+    def worker(lo, hi, args):
+        for i in range(lo, hi):
+            item(i, *args)
+    return worker
+
+
+@intrinsic
+def _run_items(typingctx, item, parallel, team, n, args):
+    """Run ``item(i, *args)`` for i in 0..n-1 on an OpenMP team of ``team`` threads, started by
+    ``GOMP_parallel`` at address ``parallel``; serially on this thread when team or n <= 1.
+
+    ``item`` is an njit function (a global, so that it is part of the compiled code); ``args``
+    a tuple of its arguments after the item number.
+    """
+    if not isinstance(item, types.Dispatcher) or not isinstance(args, types.BaseTuple):
+        return None
+    sig = types.none(item, parallel, team, n, args)
+    worker = _worker(item.dispatcher)
+    worker_sig = types.none(types.int64, types.int64, args)
+
+    def codegen(context, builder, signature, llargs):
+        _, parallel_v, team_v, n_v, args_v = llargs
+        i64, i32, i8p = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
+        zero, one = ir.Constant(i64, 0), ir.Constant(i64, 1)
+        # caching=False: Numba's subroutine cache is keyed on the code object, which every
+        # item's worker shares.
+        cres = context.compile_subroutine(builder, worker, worker_sig, caching=False)
+        module = builder.module
+        team_v = builder.sext(team_v, i64) if team_v.type.width < 64 else team_v
+        n_v = builder.sext(n_v, i64) if n_v.type.width < 64 else n_v
+
+        # The record the team reads: {n, chunk, next item (atomic), args}.
+        record_t = ir.LiteralStructType([i64, i64, i64, context.get_value_type(args)])
+        outlined = ir.Function(module, ir.FunctionType(ir.VoidType(), [i8p]),
+                               name=module.get_unique_name("bngrad_team_outlined"))
+        outlined.linkage = "internal"
+        ob = ir.IRBuilder(outlined.append_basic_block("entry"))
+        record = ob.bitcast(outlined.args[0], record_t.as_pointer())
+        total = ob.load(cgutils.gep_inbounds(ob, record, 0, 0))
+        chunk = ob.load(cgutils.gep_inbounds(ob, record, 0, 1))
+        counter = cgutils.gep_inbounds(ob, record, 0, 2)
+        fn_args = ob.load(cgutils.gep_inbounds(ob, record, 0, 3))
+        grab, run, done = (outlined.append_basic_block(name) for name in ("grab", "run", "done"))
+        ob.branch(grab)
+        ob.position_at_end(grab)
+        lo = ob.atomic_rmw("add", counter, chunk, "monotonic")
+        ob.cbranch(ob.icmp_signed("<", lo, total), run, done)
+        ob.position_at_end(run)
+        hi = ob.add(lo, chunk)
+        hi = ob.select(ob.icmp_signed(">", hi, total), total, hi)
+        # The status is dropped: an item cannot raise (no bounds checks; the kernels divide
+        # only by sizes >= 1), and there is no Python on a team thread to receive it.
+        context.call_internal_no_propagate(ob, cres.fndesc, worker_sig, [lo, hi, fn_args])
+        ob.branch(grab)
+        ob.position_at_end(done)
+        ob.ret_void()
+
+        serial = builder.or_(builder.icmp_signed("<=", team_v, one),
+                             builder.icmp_signed("<=", n_v, one))
+        with builder.if_else(serial) as (on_this_thread, on_team):
+            with on_this_thread:
+                context.call_internal_no_propagate(builder, cres.fndesc, worker_sig,
+                                                   [zero, n_v, args_v])
+            with on_team:
+                per_thread = builder.sdiv(n_v, builder.mul(team_v,
+                                                           ir.Constant(i64, _CHUNKS_PER_THREAD)))
+                chunk_v = builder.select(builder.icmp_signed("<", per_thread, one), one,
+                                         per_thread)
+                record_p = cgutils.alloca_once(builder, record_t)
+                for slot, value in enumerate((n_v, chunk_v, zero, args_v)):
+                    builder.store(value, cgutils.gep_inbounds(builder, record_p, 0, slot))
+                gomp_t = ir.FunctionType(ir.VoidType(), [i8p, i8p, i32, i32])
+                builder.call(builder.inttoptr(parallel_v, gomp_t.as_pointer()),
+                             [builder.bitcast(outlined, i8p), builder.bitcast(record_p, i8p),
+                              builder.trunc(team_v, i32), ir.Constant(i32, 0)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _stamped(dispatcher: Any) -> Any:
+    """``dispatcher`` (cache=True), its disk cache also stale when kernels/batchnorm.py changes.
+
+    kernels._cache's locator adds _ops.py and _elements.py to the stamp of every function in
+    this package; these launchers also inline the items of batchnorm.py, a file of their own.
+    Where this Numba keeps the stamp elsewhere, caching is turned off (correct, slower to
+    start) rather than risking stale kernels.
+    """
+    stamp = sources_stamp((os.path.join(HERE, "batchnorm.py"),))
+    try:
+        cache_file = dispatcher._cache._cache_file
+        cache_file._source_stamp = (cache_file._source_stamp, stamp)
+    except AttributeError:
+        dispatcher._cache = NullCache()
+    return dispatcher
+
+
+_JIT: dict[str, Any] = dict(cache=True, nogil=True)
+
+
+@intrinsic
+def _region_threads(typingctx):
+    """Numba's thread-local thread count, which bngrad._threads.parallel_region sets from the
+    caller's ``num_threads``: the threading layer's ``get_num_threads``, called by its symbol
+    name as Numba's own parallel loops call it (``numba.get_num_threads()`` in compiled code
+    goes through a ctypes pointer, which Numba will not cache; from Python it costs 2-6 us)."""
+    def codegen(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                            "get_num_threads")
+        return builder.sext(builder.call(fn, []), ir.IntType(64))
+    return types.int64(), codegen
+
+
+@njit(**_JIT)
+def _team(serial):
+    """Threads a launch asks for: 1 if ``serial``, else the region's count."""
+    return 1 if serial else _region_threads()
+
+
+# One jitted launcher per item function; ``*args`` keeps them independent of the items'
+# signatures (they pass through unchanged).
+
+@_stamped
+@njit(**_JIT)
+def _reduce_runs(parallel, serial, n, *args):
+    _run_items(_items.reduce_runs_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _reduce_short(parallel, serial, n, *args):
+    _run_items(_items.reduce_short_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _reduce_lanes(parallel, serial, n, *args):
+    _run_items(_items.reduce_lanes_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _elementwise_runs(parallel, serial, n, *args):
+    _run_items(_items.elementwise_runs_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _elementwise_lanes(parallel, serial, n, *args):
+    _run_items(_items.elementwise_lanes_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _backward_fused(parallel, serial, n, *args):
+    _run_items(_items.backward_fused_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _forward_fused(parallel, serial, n, *args):
+    _run_items(_items.forward_fused_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _copy_rows(parallel, serial, n, *args):
+    _run_items(_items.copy_rows_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _transpose_last_two(parallel, serial, n, *args):
+    _run_items(_items.transpose_item, parallel, _team(serial), n, args)
+
+
+_layer_ready = False
+
+
+def _start_layer() -> None:
+    """Make Numba register its threading layer's symbols (``get_num_threads``), which the
+    compiled launchers call by name, before the first one is loaded: normally done already
+    by bngrad._threads.parallel_region, around every parallel launch."""
+    global _layer_ready
+    numba.get_num_threads()
+    _layer_ready = True
+
+
+def _launcher(jitted: Any, name: str) -> Callable[..., None]:
+    def launch(n: int, *args: Any) -> None:
+        if not _layer_ready:
+            _start_layer()
+        # A process forked after bngrad._gomp was imported runs serially (module docstring).
+        jitted(_gomp.parallel_address(), _gomp.forked(), n, *args)
+    launch.__name__ = launch.__qualname__ = name
+    launch.__doc__ = (f"``kernels.batchnorm.{name}`` on PyTorch's OpenMP team (see the module "
+                      "docstring); requires ``bngrad._gomp.available()``.")
+    return launch
+
+
+reduce_runs = _launcher(_reduce_runs, "reduce_runs")
+reduce_short = _launcher(_reduce_short, "reduce_short")
+reduce_lanes = _launcher(_reduce_lanes, "reduce_lanes")
+elementwise_runs = _launcher(_elementwise_runs, "elementwise_runs")
+elementwise_lanes = _launcher(_elementwise_lanes, "elementwise_lanes")
+backward_fused = _launcher(_backward_fused, "backward_fused")
+forward_fused = _launcher(_forward_fused, "forward_fused")
+copy_rows = _launcher(_copy_rows, "copy_rows")
+transpose_last_two = _launcher(_transpose_last_two, "transpose_last_two")
