@@ -18,8 +18,8 @@ the reductions and the elementwise pass; ``z``, the forward's side input, read b
 grad_side_input), written beside ``out``. The forward's mask may instead be bits: ``aux`` is
 then ``(bits, start)``, a 1-D uint8 array packing one bit per element in the canonical array's
 memory order (element k: bit ``k % 8`` of ``bits[k // 8]``) and the flat index of the array's
-first element; each item adds a scratch buffer for the mask bytes of a slice
-(``_with_scratch``) and passes each loop the flat index of its slice (``_at``).
+first element; each item writes its mask bytes to a scratch buffer (``_with_scratch``,
+``_mask_part``) and packs them (``_flush``).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
 
 
 @njit(**_JIT)
-def _map_elements(x, dy, y, z, out, aux, scale, proj, shift, mean):
+def _map(x, dy, y, z, out, aux, scale, proj, shift, mean):
     """out = elementwise(x, dy, y, z), and aux (kernels._ops.finish), over 1-D slices that
     start at 0, so that LLVM vectorises (None: not an operand). Coefficients: one channel's
     scalars or per-lane vectors."""
@@ -121,10 +121,11 @@ def _atomic_or(typingctx, array, index, value):
     return types.void(array, index, value), codegen
 
 
-# Bits of the forward's mask: the elementwise loop (which vectorises) stores a slice's mask
-# bytes in an item's scratch buffer, then each 32 (8) bytes become 4 (1) bytes of bits by one
-# vector compare and move-mask. One loop per slice, no chunks: every sub-slice costs reference
-# counting of its arrays.
+# Bits of the forward's mask: the loops write the mask bytes (the "bytes" form, a vectorised
+# loop) into an item's scratch buffer, and the item packs them once it has written a range
+# contiguous in memory (a run segment, a group of whole runs, whole rows of lanes; else each
+# slice): 32 (8) bytes become 4 (1) bytes of bits by one vector compare and bitcast (x86: a
+# move-mask).
 
 def _pack_codegen(lanes):
     def codegen(context, builder, signature, args):
@@ -156,7 +157,7 @@ def _pack8(typingctx, mask, i, bits, j):
 
 
 @njit(inline="always")
-def _pack_bytes(mask, i0, i1, shift0):
+def _pack_few(mask, i0, i1, shift0):
     """mask[i0:i1] (a few 0/1 bytes) as one byte, mask[i] at bit ``(i + shift0) % 8``."""
     acc = np.uint32(0)
     for i in range(i0, i1):
@@ -165,83 +166,63 @@ def _pack_bytes(mask, i0, i1, shift0):
 
 
 @njit(**_JIT)
-def _map_bits_aligned(x, z, out, bits, start, scratch, scale, shift, mean):
-    """_map_bits on a slice whose flat start is a multiple of 8 (scratch: >= its length)."""
-    n = out.shape[0]
-    _map_elements(x, None, None, z, out, scratch, scale, None, shift, mean)
-    b0 = start // 8
-    for j in range(n // 32):
-        _pack32(scratch, 32 * j, bits, b0 + 4 * j)
-    for j in range(n // 32 * 4, n // 8):
-        _pack8(scratch, 8 * j, bits, b0 + j)
-    if n % 8:
-        _atomic_or(bits, b0 + n // 8, _pack_bytes(scratch, n - n % 8, n, 0))
-
-
-@njit(**_JIT)
-def _map_bits(x, z, out, bits, start, scratch, scale, shift, mean):
-    """The forward with the ReLU over a 1-D slice whose first element has flat index
-    ``start``, packing its mask bits into ``bits`` on the way: bytes wholly inside the slice
-    are stored; the partial bytes at either end are ORed in atomically (``bits`` starts
-    zeroed), as the neighbouring slice, maybe another item's, owns their other bits. OR is
-    order-free: the bits do not depend on who runs first."""
-    head = min(out.shape[0], -start % 8)
-    if head == 0:
-        _map_bits_aligned(x, z, out, bits, start, scratch, scale, shift, mean)
-        return
-    first = slice(0, head)
-    _map_elements(x[first], None, None, take(z, first), out[first], scratch,
-                  take(scale, first), None, take(shift, first), take(mean, first))
-    _atomic_or(bits, start // 8, _pack_bytes(scratch, 0, head, start))
-    if head < out.shape[0]:
-        rest = slice(head, out.shape[0])
-        _map_bits_aligned(x[rest], take(z, rest), out[rest], bits, start + head, scratch,
-                          take(scale, rest), take(shift, rest), take(mean, rest))
-
-
-def _map(x: Any, dy: Any, y: Any, z: Any, out: Any, aux: Any, scale: Any, proj: Any,
-         shift: Any, mean: Any) -> Any:
-    """The elementwise pass over 1-D slices (jitted): _map_elements, or _map_bits where
-    ``aux`` is the forward's (bits, start)."""
-    raise NotImplementedError
-
-
-@overload(_map, inline="always")
-def _map_impl(x, dy, y, z, out, aux, scale, proj, shift, mean):
-    if isinstance(aux, types.BaseTuple):
-        return lambda x, dy, y, z, out, aux, scale, proj, shift, mean: _map_bits(
-            x, z, out, aux[0], aux[1], aux[2], scale, shift, mean)
-    return lambda x, dy, y, z, out, aux, scale, proj, shift, mean: _map_elements(
-        x, dy, y, z, out, aux, scale, proj, shift, mean)
+def _pack_bits(mask, n, bits, start):
+    """Pack mask bytes mask[0:n] (0/1) as the bits of flat elements start..start+n-1: bytes
+    of ``bits`` wholly inside the range are stored; the partial bytes at either end are ORed
+    in atomically (``bits`` starts zeroed), as a neighbouring range, maybe another item's,
+    owns their other bits. OR is order-free: the bits do not depend on who runs first."""
+    head = min(n, -start % 8)
+    if head:
+        _atomic_or(bits, start // 8, _pack_few(mask, 0, head, start))
+    b0, body = (start + head) // 8, (n - head) // 8
+    for j in range(body // 4):
+        _pack32(mask, head + 32 * j, bits, b0 + 4 * j)
+    for j in range(body // 4 * 4, body):
+        _pack8(mask, head + 8 * j, bits, b0 + j)
+    if head + 8 * body < n:
+        _atomic_or(bits, b0 + body, _pack_few(mask, head + 8 * body, n, start))
 
 
 def _with_scratch(aux: Any, n: Any) -> Any:
-    """An item's ``aux``: mask bits ``(bits, base)`` get a scratch buffer for slices of up to
-    ``n`` elements, ``(bits, base, scratch)``; anything else is itself (jitted)."""
+    """An item's ``aux``: mask bits ``(bits, base)`` get a scratch buffer for ``n`` mask
+    bytes, ``(bits, base, scratch)``; anything else is itself (jitted)."""
     raise NotImplementedError
 
 
 @overload(_with_scratch, inline="always")
 def _with_scratch_impl(aux, n):
     if isinstance(aux, types.BaseTuple):
-        return lambda aux, n: (aux[0], aux[1], np.empty((n + 7) // 8 * 8, np.uint8))
+        return lambda aux, n: (aux[0], aux[1], np.empty(n, np.uint8))
     return lambda aux, n: aux
 
 
-def _at(aux: Any, index: Any, start: Any) -> Any:
-    """``aux``'s part for a loop over ``out[index]`` (jitted): None; the array's slice; or, for
-    the forward's mask bits ``(bits, base, scratch)`` (from _with_scratch), ``(bits, base +
-    start, scratch)``, ``start`` being the flat index of out[index]'s first element."""
+def _mask_part(aux: Any, index: Any, offset: Any) -> Any:
+    """``aux``'s part for a loop over ``out[index]`` (jitted): None; the array's slice; for
+    mask bits ``(bits, base, scratch)``, the scratch from ``offset`` (the loop writes its mask
+    bytes there, _flush packs them)."""
     raise NotImplementedError
 
 
-@overload(_at, inline="always")
-def _at_impl(aux, index, start):
+@overload(_mask_part, inline="always")
+def _mask_part_impl(aux, index, offset):
     if isinstance(aux, types.NoneType):
-        return lambda aux, index, start: None
+        return lambda aux, index, offset: None
     if isinstance(aux, types.BaseTuple):
-        return lambda aux, index, start: (aux[0], aux[1] + start, aux[2])
-    return lambda aux, index, start: aux[index]
+        return lambda aux, index, offset: aux[2][offset:]
+    return lambda aux, index, offset: aux[index]
+
+
+def _flush(aux: Any, start: Any, n: Any) -> None:
+    """For mask bits ``(bits, base, scratch)``: pack scratch[0:n] as the bits of flat elements
+    base + start ... (one range contiguous in memory); nothing for other operands (jitted)."""
+    raise NotImplementedError
+
+
+@overload(_flush, inline="always")
+def _flush_impl(aux, start, n):
+    if isinstance(aux, types.BaseTuple):
+        return lambda aux, start, n: _pack_bits(aux[2], n, aux[0], aux[1] + start)
+    return lambda aux, start, n: None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,25 +336,29 @@ def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, m
     coef[BIAS, c], coef[MEAN, c] = bias[c], m
     C, part = x.shape[1], _with_scratch(aux, B)
     for r in range(A):
-        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], _at(part, (r, c), (r * C + c) * B),
+        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], _mask_part(part, (r, c), 0),
              coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
+        _flush(part, (r * C + c) * B, B)
 
 
 @njit(**_JIT)
 def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
     """Item (row a, group of channels, run segment): out = elementwise(x, dy, y, z) on that
     segment of each channel's run. ``runs``: one channel, segments of ``seg``; ``short``: a
-    group of whole runs, so that short runs cost no index arithmetic each."""
+    group of whole runs, so that short runs cost no index arithmetic each. Either way the
+    item's elements are contiguous in memory (mask bits are packed once per item)."""
     A, C, B = out.shape
     n_groups, n_segs = (C + group - 1) // group, (B + seg - 1) // seg
     r, b0 = item // n_segs, (item % n_segs) * seg
     a, g = r // n_groups, r % n_groups
-    part = _with_scratch(aux, min(B, seg))
-    for c in range(g * group, min(C, g * group + group)):
-        run = (a, c, slice(b0, min(B, b0 + seg)))
+    c0, c1, b1 = g * group, min(C, g * group + group), min(B, b0 + seg)
+    part = _with_scratch(aux, (c1 - c0) * (b1 - b0))
+    for c in range(c0, c1):
+        run = (a, c, slice(b0, b1))
         _map(take(x, run), take(dy, run), take(y, run), take(z, run), out[run],
-             _at(part, run, (a * C + c) * B + b0), coef[SCALE, c], coef[PROJ, c],
+             _mask_part(part, run, (c - c0) * (b1 - b0)), coef[SCALE, c], coef[PROJ, c],
              coef[GRAD_MEAN, c], coef[MEAN, c])
+    _flush(part, (a * C + c0) * B + b0, (c1 - c0) * (b1 - b0))
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 maps): one run at a time spends most of its time in
@@ -427,15 +412,22 @@ def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
 
 @njit(**_JIT)
 def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
-    """One item per (rows block, column group), so that few rows still make many items."""
+    """One item per (rows block, column group), so that few rows still make many items (mask
+    bits packed once per item where its rows are whole, else per row)."""
     _, r0, r1, c0, c1 = _tile_of(item, out.shape[0], out.shape[1], rows, cols)
     scale, proj = coef[SCALE, c0:c1], coef[PROJ, c0:c1]
     shift, mean = coef[GRAD_MEAN, c0:c1], coef[MEAN, c0:c1]
-    part = _with_scratch(aux, c1 - c0)
+    L, w = out.shape[1], c1 - c0
+    whole = w == L  # the tile is contiguous in memory
+    part = _with_scratch(aux, (r1 - r0) * w if whole else w)
     for r in range(r0, r1):
         lanes = (r, slice(c0, c1))
         _map(take(x, lanes), take(dy, lanes), take(y, lanes), take(z, lanes), out[lanes],
-             _at(part, lanes, r * out.shape[1] + c0), scale, proj, shift, mean)
+             _mask_part(part, lanes, (r - r0) * w if whole else 0), scale, proj, shift, mean)
+        if not whole:
+            _flush(part, r * L + c0, w)
+    if whole:
+        _flush(part, r0 * L, (r1 - r0) * w)
 
 
 # ---------------------------------------------------------------------------------------------
