@@ -204,6 +204,42 @@ def test_cli_runs_a_suite_and_writes_json_and_plot(tiny_suite, tmp_path, capsys)
     assert result["summary"]["geomean_speedup_vs_torch"] > 0
 
 
+def test_cli_fused_op_times_the_pairs_against_torch_and_plain(tiny_suite, tmp_path, capsys):
+    pytest.importorskip("torch")
+    result = _run_cli(tmp_path, "--op", "fused", "--scaling", "--markdown",
+                      str(tmp_path / "bench.md"))
+    out = capsys.readouterr().out
+    assert "--op fused" in out and "plain" in out and "kept MiB" in out
+    assert [(tuple(c["shape"]), c["dtype"], c["layout"], c["op"]) for c in result["cases"]] == [
+        (case.shape, case.dtype, case.layout, op) for case in TINY
+        for op in ("relu", "add-relu")]
+    for got in result["cases"]:
+        bn, th, plain = (got["timings"][k]["median_ms"] for k in ("bngrad", "torch", "plain"))
+        assert got["baseline"] == "plain" and "floor" not in got["timings"]
+        assert got["speedup_vs_torch"] == pytest.approx(th / bn)
+        assert got["ratio_to_floor"] == pytest.approx(bn / plain)
+        assert got["gbps"] is None
+        x = got["bytes_per_array"]
+        n = int(np.prod(got["shape"]))
+        assert got["kept_for_backward_bytes"] == {"bngrad": x + (n + 7) // 8, "torch": 2 * x}
+        assert got["deterministic_across_threads"] is True
+        assert got["max_rel_diff_vs_torch"] < 0.05  # same answer as PyTorch (guard, not a test)
+    md = [line for line in (tmp_path / "bench.md").read_text().splitlines()
+          if line.startswith("|")]
+    assert len(md) == 2 + 2 * len(TINY) + 1 and "add-relu" in md[3]
+    assert set(result["contenders"]) == {"bngrad", "torch", "reference", "plain"}
+
+
+def test_select_cases_fused_op_doubles_each_case():
+    fused = bench.select_cases("quick", op="fused")
+    plain = bench.select_cases("quick")
+    assert [(c.shape, c.dtype, c.layout) for c in fused[::2]] == [
+        (c.shape, c.dtype, c.layout) for c in plain]
+    assert [c.op for c in fused] == ["relu", "add-relu"] * len(plain)
+    with pytest.raises(ArgumentValueError, match="^op: unknown operation 'relu'"):
+        bench.select_cases("quick", op="relu")
+
+
 def test_cli_without_torch_says_so(tiny_suite, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
     result = _run_cli(tmp_path, "--no-memory")

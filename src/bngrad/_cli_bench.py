@@ -16,7 +16,7 @@ _MIB = 1 << 20
 
 #: argument of bngrad._bench (the first word of its error messages) -> this command's flag
 _FLAGS = {"suite": "--suite", "dtypes": "--dtype", "layouts": "--layout",
-          "threads": "--threads", "repeat": "--repeat"}
+          "threads": "--threads", "repeat": "--repeat", "op": "--op"}
 
 
 def _in_flag_terms(exc: ArgumentValueError) -> str:
@@ -39,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layout", action="append", metavar="NAMES",
                         help="only cases of these layouts, comma-separated: "
                              + ", ".join(LAYOUTS) + " (aliases nchw, nhwc, ...)")
+    parser.add_argument("--op", default="backward", choices=["backward", "fused"],
+                        help="what to time: batch norm's backward (default), or the fused "
+                             "pairs BN -> ReLU and BN -> add -> ReLU, forward + backward, "
+                             "against PyTorch's unfused sequence and bngrad's plain batch "
+                             "norm forward + backward")
     parser.add_argument("--threads", type=int, metavar="N",
                         help="threads for every contender (default: all cores)")
     parser.add_argument("--repeat", type=int, metavar="R",
@@ -88,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a file or pipe: rich would wrap the table at 80 columns
         console = Console(width=160)
     try:
-        cases = bench.select_cases(args.suite, args.dtype, args.layout)
+        cases = bench.select_cases(args.suite, args.dtype, args.layout, args.op)
         threads = bench.check_threads(args.threads if args.threads is not None
                                       else bench.default_threads())
         repeat = bench.check_repeat(args.repeat if args.repeat is not None
@@ -173,10 +178,14 @@ def _grid(result):
     m = result.machine
     scaling = any(c.scaling is not None for c in cases)
     memory = any("bngrad" in c.extra_memory for c in cases)
-    title = (f"bngrad bench --suite {result.suite}: {m['cpu_model']}, {m['cores']} cores, "
-             f"{result.options.threads} threads, {m['date']}")
-    columns = ["shape", "dtype", "layout", "bngrad ms", "PyTorch ms", "NumPy ms", "floor ms",
-               "vs PyTorch", "/ floor", "GB/s"]
+    fused = _fused(result)
+    title = (f"bngrad bench --suite {result.suite}{' --op fused' if fused else ''}: "
+             f"{m['cpu_model']}, {m['cores']} cores, {result.options.threads} threads, "
+             f"{m['date']}")
+    base = "plain" if fused else "floor"
+    columns = ["shape", "dtype", "layout" + (", op" if fused else ""), "bngrad ms",
+               "PyTorch ms", "NumPy ms", f"{base} ms", "vs PyTorch", f"/ {base}"]
+    columns += ["kept MiB (PyTorch)"] if fused else ["GB/s"]
     if scaling:
         columns += [f"1->{result.options.threads} thr", "cores busy"]
     if memory:
@@ -184,10 +193,11 @@ def _grid(result):
     rows, slower = [], []
     for c in cases:
         speedup = c.speedup_vs_torch
-        row = [c.case.shape_text, c.case.dtype, c.case.layout_name,
+        row = [c.case.shape_text, c.case.dtype,
+               c.case.layout_name + (f" {c.case.op}" if fused else ""),
                _ms(c.median("bngrad")), _ms(c.median("torch")), _ms(c.median("reference")),
-               _ms(c.median("floor")), _x(speedup), _x(c.ratio_to_floor),
-               _fmt(c.gbps(), "{:.1f}")]
+               _ms(c.median(c.baseline)), _x(speedup), _x(c.ratio_to_floor)]
+        row.append(_kept(c) if fused else _fmt(c.gbps(), "{:.1f}"))
         if scaling:
             row += [_x(c.scaling), _fmt(c.cores_busy, "{:.2f}")]
         if memory:
@@ -197,7 +207,7 @@ def _grid(result):
         slower.append(speedup is not None and speedup < 1)
     total = ["geometric mean", "", "", "", "", "", "",
              _x(s["geomean_speedup_vs_torch"]), _x(s["geomean_ratio_to_floor"]),
-             _fmt(geomean(c.gbps() for c in cases), "{:.1f}")]
+             "" if fused else _fmt(geomean(c.gbps() for c in cases), "{:.1f}")]
     if scaling:
         total += [_x(s["geomean_scaling_1_to_n"]), ""]
     if memory:
@@ -205,10 +215,21 @@ def _grid(result):
     return title, columns, rows, total, slower
 
 
+def _fused(result) -> bool:
+    """Whether ``result`` is a run of the fused ops (``--op fused``)."""
+    return any(c.case.fused for c in result.cases)
+
+
+def _kept(c) -> str:
+    """Memory kept for the backward per pair, bngrad's and (PyTorch's), in MiB."""
+    ours, theirs = c.kept_bytes("bngrad"), c.kept_bytes("torch")
+    return f"{ours / _MIB:.1f} ({theirs / _MIB:.1f})"
+
+
 # Columns a narrow terminal can do without (name prefixes), dropped in this order; the case,
 # bngrad ms, vs PyTorch and / floor always stay. --json and --markdown keep every column.
-_OPTIONAL_COLUMNS = ("NumPy ms", "cores busy", "GB/s", "extra MiB", "floor ms", "1->",
-                     "PyTorch ms")
+_OPTIONAL_COLUMNS = ("NumPy ms", "cores busy", "GB/s", "extra MiB", "kept", "floor ms",
+                     "plain ms", "1->", "PyTorch ms")
 
 
 def _fit(columns, rows, total, width: Optional[int]):
@@ -273,9 +294,24 @@ def _notes(result) -> List[str]:
         notes.append(f"[yellow]PyTorch: {skipped['torch']}[/yellow]")
     if "reference" in skipped:
         notes.append(f"NumPy: {skipped['reference']} (--reference-cap).")
-    notes.append("floor: one fused pass dx = a*dy + b*x over the same bytes and threads, "
-                 "allocating its output as bngrad does; / floor = bngrad time / floor time. "
-                 "GB/s: 3 arrays' traffic / bngrad time. Medians; spreads are in --json.")
+    if _fused(result):
+        notes.append("bngrad: the fused forward (side input for add-relu, 1-bit mask) + "
+                     "backward (given the mask; grad_side_input for add-relu). PyTorch: the ops "
+                     "autograd runs for BN -> (add ->) ReLU and back (native_batch_norm, add, "
+                     "relu, threshold_backward, native_batch_norm_backward). plain: bngrad's "
+                     "batch_norm_forward + batch_norm_backward on the same arrays (no add, no "
+                     "ReLU); / plain = bngrad time / plain time. kept MiB: what a training "
+                     "step keeps for the backward per pair, bngrad x + 1 bit per element "
+                     "(PyTorch: x + y). Medians; spreads are in --json. The largest "
+                     "difference to PyTorch below may be large without either being wrong: an "
+                     "element whose ReLU input rounds to the other side of 0 in PyTorch's batch "
+                     "norm moves a whole element's gradient (tests check bngrad against the "
+                     "float64 reference).")
+    else:
+        notes.append("floor: one fused pass dx = a*dy + b*x over the same bytes and threads, "
+                     "allocating its output as bngrad does; / floor = bngrad time / floor "
+                     "time. GB/s: 3 arrays' traffic / bngrad time. Medians; spreads are in "
+                     "--json.")
     fresh = result.median_fresh_memory_share()
     if fresh is not None:
         notes.append(f"Fresh output memory (page faults, zeroing) is a median "
@@ -351,12 +387,15 @@ def write_plot(result, path: str) -> None:
     right.set_xlim(0, max([2.0] + [v * 1.15 for v in ratios if v is not None]))
     _annotate(right, y, ratios)
     right.axvline(1.0, color="black", lw=1)
-    right.set_xlabel("bngrad time / floor time (lower is better, 1 = memory floor)")
+    right.set_xlabel("bngrad fused time / bngrad plain batch norm's (lower is better)"
+                     if _fused(result) else
+                     "bngrad time / floor time (lower is better, 1 = memory floor)")
     left.set_ylim(-0.7, len(cases) - 0.3)
     left.set_yticks(y)
     left.set_yticklabels(labels, fontsize=8)
     m = result.machine
-    fig.suptitle(f"bngrad bench --suite {result.suite}: {m['cpu_model']}, "
+    fig.suptitle(f"bngrad bench --suite {result.suite}{' --op fused' if _fused(result) else ''}"
+                 f": {m['cpu_model']}, "
                  f"{result.options.threads} threads, {m['date'][:10]}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import numpy as np
 
@@ -23,6 +23,7 @@ class CaseData:
     save_invstd: np.ndarray
     floor_dy: np.ndarray
     floor_x: np.ndarray
+    side_input: Optional[np.ndarray] = None  # add-relu cases: laid out as input
 
 
 def _random(rng: np.random.Generator, shape: Tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -77,6 +78,10 @@ def make_arrays(case: Case, seed: int = 0) -> CaseData:
     weight = rng.uniform(0.5, 1.5, C).astype(param_dtype)
     save_mean = rng.normal(0.0, 0.1, C).astype(param_dtype)
     save_invstd = rng.uniform(0.8, 1.2, C).astype(param_dtype)
+    # drawn last, so that the other arrays of a case do not depend on its op
+    side_input = (_dense_like(_random(rng, case.shape, dtype), input)
+                  if case.op == "add-relu" else None)
     floor_x = input if dense_order(input) is not None else np.ascontiguousarray(input)
     floor_dy = _dense_like(grad_out, floor_x)
-    return CaseData(grad_out, input, weight, save_mean, save_invstd, floor_dy, floor_x)
+    return CaseData(grad_out, input, weight, save_mean, save_invstd, floor_dy, floor_x,
+                    side_input)

@@ -1,4 +1,4 @@
-"""Benchmark cases and suites: a shape, a dtype and a memory layout per case."""
+"""Benchmark cases and suites: a shape, a dtype, a memory layout and an operation per case."""
 
 from __future__ import annotations
 
@@ -24,13 +24,29 @@ LAYOUT_ALIASES = {"nchw": "contiguous", "ncdhw": "contiguous", "ncl": "contiguou
                   "mixed-r": "mixed_r"}
 
 
+#: What a case times: batch norm's backward, or a fused pair's forward + backward.
+OPS: Dict[str, str] = {
+    "backward": "batch norm's backward (training, three gradients)",
+    "relu": "BN -> ReLU, forward + backward (bngrad.fused, 1-bit mask)",
+    "add-relu": "BN -> add -> ReLU, forward + backward (bngrad.fused, side input, 1-bit mask)",
+}
+#: ``--op`` values -> the case operations they select
+OP_GROUPS: Dict[str, Tuple[str, ...]] = {"backward": ("backward",), "fused": ("relu", "add-relu")}
+
+
 @dataclass(frozen=True)
 class Case:
-    """One benchmark case: a logical shape (channels on axis 1), a dtype and a layout."""
+    """One benchmark case: a logical shape (channels on axis 1), a dtype, a layout and the
+    operation timed (one of :data:`OPS`)."""
 
     shape: Tuple[int, ...]
     dtype: str
     layout: str
+    op: str = "backward"
+
+    @property
+    def fused(self) -> bool:
+        return self.op != "backward"
 
     @property
     def numel(self) -> int:
@@ -55,7 +71,8 @@ class Case:
 
     @property
     def label(self) -> str:
-        return f"{self.shape_text} {self.dtype} {self.layout_name}"
+        op = f" {self.op}" if self.fused else ""
+        return f"{self.shape_text} {self.dtype} {self.layout_name}{op}"
 
 
 def _cases(shapes: Iterable[Tuple[int, ...]], dtypes: Iterable[str], layouts: Iterable[str]
@@ -146,17 +163,23 @@ def _parse_names(values: Optional[Sequence[str]], argument: str, what: str,
 
 
 def select_cases(suite: str, dtypes: Optional[Sequence[str]] = None,
-                 layouts: Optional[Sequence[str]] = None) -> List[Case]:
+                 layouts: Optional[Sequence[str]] = None, op: str = "backward") -> List[Case]:
     """The cases of ``suite`` whose dtype and layout are among those given (None: all).
 
     ``dtypes`` and ``layouts`` are lists of names, each may be comma-separated; aliases such as
-    ``bf16``, ``fp32``, ``nchw`` or ``nhwc`` are accepted. Raises ArgumentValueError for an
-    unknown suite or name, or when the filters leave no case.
+    ``bf16``, ``fp32``, ``nchw`` or ``nhwc`` are accepted. ``op``: "backward" (batch norm's
+    backward) or "fused" (each shape twice, BN -> ReLU and BN -> add -> ReLU, forward +
+    backward). Raises ArgumentValueError for an unknown suite, op or name, or when the
+    filters leave no case.
     """
     if suite not in SUITES:
         raise ArgumentValueError(f"suite: unknown suite {suite!r}; expected one of "
                                  f"{', '.join(SUITES)}")
-    cases = SUITES[suite][0]()
+    if op not in OP_GROUPS:
+        raise ArgumentValueError(f"op: unknown operation {op!r}; expected one of "
+                                 f"{', '.join(OP_GROUPS)}")
+    cases = [Case(c.shape, c.dtype, c.layout, name) for c in SUITES[suite][0]()
+             for name in OP_GROUPS[op]]
     keep_dtypes = _parse_names(dtypes, "dtypes", "dtype", _dtypes.NAMES,
                                [a for s in _dtypes.DTYPES for a in s.aliases], _dtype_name)
     keep_layouts = _parse_names(layouts, "layouts", "layout", list(LAYOUTS), LAYOUT_ALIASES,

@@ -10,8 +10,9 @@ from typing import Any, Dict, Iterable, List, Optional
 import numpy as np
 
 from .. import _dtypes
+from .. import fused
 from .cases import CF_CL, Case
-from .contenders import CONTENDERS
+from .contenders import contenders
 from .measure import Timing
 
 
@@ -56,8 +57,23 @@ class CaseResult:
         return self._ratio("torch", "bngrad")
 
     @property
+    def baseline(self) -> str:
+        """What bngrad's time is divided by: the floor (backward), or bngrad's plain batch norm
+        forward + backward (the fused ops)."""
+        return "plain" if self.case.fused else "floor"
+
+    @property
     def ratio_to_floor(self) -> Optional[float]:
-        return self._ratio("bngrad", "floor")
+        """bngrad's time / the :attr:`baseline`'s."""
+        return self._ratio("bngrad", self.baseline)
+
+    def kept_bytes(self, name: str) -> Optional[int]:
+        """Fused ops: bytes a training step keeps for the backward per pair: bngrad x + the
+        1-bit mask, PyTorch's sequence x + y (the ReLU's output). None for the backward."""
+        if not self.case.fused or name not in ("bngrad", "torch"):
+            return None
+        x = self.case.bytes_per_array
+        return x + (fused.mask_bytes(self.case.numel, "bits") if name == "bngrad" else x)
 
     @property
     def scaling(self) -> Optional[float]:
@@ -75,15 +91,19 @@ class CaseResult:
         return None if not ratio else 1 - ratio
 
     def gbps(self, name: str = "bngrad") -> Optional[float]:
-        """Traffic of three arrays (read x, dy; write dx) per second, in GB/s."""
+        """Traffic of three arrays (read x, dy; write dx) per second, in GB/s (the backward
+        only; None for the fused ops)."""
         t = self.median(name)
-        return None if not t else 3 * self.case.bytes_per_array / t / 1e9
+        return None if not t or self.case.fused else 3 * self.case.bytes_per_array / t / 1e9
 
     def to_json(self) -> dict:
         c = self.case
         return {
-            "shape": list(c.shape), "dtype": c.dtype, "layout": c.layout,
+            "shape": list(c.shape), "dtype": c.dtype, "layout": c.layout, "op": c.op,
             "layout_name": c.layout_name, "bytes_per_array": c.bytes_per_array,
+            "baseline": self.baseline,
+            "kept_for_backward_bytes": {n: self.kept_bytes(n) for n in ("bngrad", "torch")
+                                        if self.kept_bytes(n) is not None},
             "threads": self.threads,
             "timings": {k: v.to_json() for k, v in self.timings.items()},
             "skipped": self.skipped,
@@ -119,7 +139,7 @@ class SuiteResult:
         speedups = [(c.speedup_vs_torch, c) for c in cs if c.speedup_vs_torch is not None]
         slowest = min(speedups, key=lambda p: p[0]) if speedups else None
         big = [c.ratio_to_floor for c in cs
-               if c.case.dtype == "float32" and c.case.layout in CF_CL
+               if c.case.dtype == "float32" and c.case.layout in CF_CL and not c.case.fused
                and c.case.bytes_per_array >= 64 << 20 and c.ratio_to_floor is not None]
         per_byte = {}
         for dtype in _dtypes.NAMES:
@@ -163,7 +183,8 @@ class SuiteResult:
                         "memory": opts.memory, "min_sample_s": opts.min_sample_s,
                         "gap_s": opts.gap_s,
                         "seed": opts.seed},
-            "contenders": {k: v[1] for k, v in CONTENDERS.items()},
+            "contenders": {k: v[1] for op in dict.fromkeys(c.case.op for c in self.cases)
+                           for k, v in contenders(op).items()},
             "summary": self.summary(),
             "cases": [c.to_json() for c in self.cases],
             "startup": self.startup,
@@ -181,7 +202,8 @@ class SuiteResult:
             timings = {name: Timing([v / 1e3 for v in t["samples_ms"]], t["number"])
                        for name, t in c["timings"].items()}
             cases.append(CaseResult(
-                Case(tuple(c["shape"]), c["dtype"], c["layout"]), timings, dict(c["skipped"]),
+                Case(tuple(c["shape"]), c["dtype"], c["layout"], c.get("op", "backward")),
+                timings, dict(c["skipped"]),
                 dict(c["extra_memory"]), c["max_rel_diff_vs_torch"],
                 c["deterministic_across_threads"], c.get("cores_busy"), c["threads"]))
         return cls(data["suite"], opts, dict(data["machine"]), cases, data.get("startup"))

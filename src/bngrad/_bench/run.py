@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import ArgumentValueError
 from .arrays import make_arrays
 from .cases import Case
-from .contenders import CONTENDERS, SCALED, Unavailable
+from .contenders import SCALED, Unavailable, contenders
 from .machine import OtherLoad, machine_info, pool_size
 from .measure import Timing, calibrate, cores_busy, measure_extra_memory, time_calls, torch_threads
 from .results import CaseResult, Options, SuiteResult
@@ -57,7 +57,8 @@ def run_case(case: Case, opts: Options,
     step(0.0, "allocating")
     data = make_arrays(case, opts.seed)
     fns: Dict[str, Callable[[], Any]] = {}
-    for name, (factory, _) in CONTENDERS.items():
+    factories = contenders(case.op)
+    for name, (factory, _) in factories.items():
         try:
             fns[name] = factory(data, opts.threads, opts)
         except Unavailable as exc:
@@ -65,7 +66,7 @@ def run_case(case: Case, opts: Options,
     if opts.scaling and opts.threads > 1:
         for name in SCALED:
             if name in fns:
-                fns[f"{name}@1"] = CONTENDERS[name][0](data, 1, opts)
+                fns[f"{name}@1"] = factories[name][0](data, 1, opts)
 
     step(0.05, "warming up")
     numbers = {name: calibrate(fn, opts.min_sample_s) for name, fn in fns.items()}
