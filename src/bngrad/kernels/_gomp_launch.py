@@ -21,7 +21,7 @@ Numba function; inside it, :func:`_run_items` emits the OpenMP region itself:
 
 Chunks are taken dynamically (``n // (8 team)`` items, at least 1): on a machine whose cores
 other processes share, a contiguous static split waits for the thread that was preempted
-(measured 2.3x slower than TBB's work stealing at (32, 64, 784) on 2 loaded cores; dynamic
+(measured 2.1x slower than TBB's work stealing at (32, 64, 784) on 2 loaded cores; dynamic
 chunks 0.6-0.9x TBB). Which thread runs an item cannot change a bit: items write only their
 own outputs, and the launch returns when all are done (the team's closing barrier orders
 their writes before the caller's reads).
