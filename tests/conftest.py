@@ -22,7 +22,9 @@ Vocabulary (used in test ids):
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -390,3 +392,19 @@ def check_backward(case: Case, result=None, *, num_threads=None) -> tuple:
             scale = scales[name]
         assert_close(got, ref, got.dtype, name, scale=scale)
     return result
+
+
+# --------------------------------------------------------------------------- child processes
+
+def run_child(module: str, out, env: dict, timeout: float) -> dict:
+    """Run ``<module>.child_main(out)`` (a test module in tests/) in a fresh Python with
+    ``env`` (e.g. a larger NUMBA_NUM_THREADS than this process's pool) and return the JSON it
+    wrote to ``out``."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path.insert(0, {here!r}); "
+            f"import {module}; {module}.child_main({str(out)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"child failed:\n{proc.stderr[-4000:]}"
+    with open(out) as f:
+        return json.load(f)

@@ -19,15 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import bngrad
 from bngrad import kernels
-from conftest import make_case
+from conftest import make_case, run_child
 
 THREADS = (1, 2, 3, 4)
 # (threads, serial_elements override or None) compared with num_threads=1 (always serial)
@@ -155,16 +153,9 @@ def child_main(out_path):  # runs in the child process
 
 @pytest.fixture(scope="module")
 def child_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("determinism") / "report.json"
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "NUMBA_NUM_THREADS": "4"}
-    code = (f"import sys; sys.path.insert(0, {here!r}); "
-            f"import test_determinism; test_determinism.child_main({str(out)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"child failed:\n{proc.stderr[-4000:]}"
-    with open(out) as f:
-        return json.load(f)
+    return run_child("test_determinism",
+                     tmp_path_factory.mktemp("determinism") / "report.json",
+                     {**os.environ, "NUMBA_NUM_THREADS": "4"}, timeout=600)
 
 
 def _ids():

@@ -23,6 +23,7 @@ from numba import njit
 
 from bngrad import _gomp, kernels
 from bngrad.kernels import _gomp_launch
+from conftest import run_child
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not _gomp.available(),
@@ -105,15 +106,8 @@ def child_main(out_path, shape_ids=None):  # runs in a child process with NUMBA_
 
 @pytest.fixture(scope="module")
 def child_report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gomp") / "report.json"
-    env = {**CHILD_ENV, "NUMBA_NUM_THREADS": "4"}
-    code = (f"import sys; sys.path.insert(0, {HERE!r}); "
-            f"import test_gomp; test_gomp.child_main({str(out)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                          text=True, timeout=1200)
-    assert proc.returncode == 0, f"child failed:\n{proc.stderr[-4000:]}"
-    with open(out) as f:
-        return json.load(f)
+    return run_child("test_gomp", tmp_path_factory.mktemp("gomp") / "report.json",
+                     {**CHILD_ENV, "NUMBA_NUM_THREADS": "4"}, timeout=1200)
 
 
 def test_team_results_are_numbas_bitwise(child_report):
