@@ -5,7 +5,8 @@ as if written in place, with the caller's fastmath flags, and stay in Numba's di
 functions passed as arguments or made by closure factories do not). An operand that is None
 selects a formula when the kernel is compiled, never at run time:
 
-- ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64;
+- ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64 (half
+  data: float32, summed in blocks of ``block_terms`` before the float64 total);
 - ``elementwise``: x and dy: training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ)*SCALE``;
   dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``, plus
   the side input ``z`` where one is given (bngrad.fused), added to the batch-norm value rounded
@@ -119,11 +120,51 @@ def _grad(dy, y):
     return lambda dy, y: _select(passes(y), to_float(dy), _zero(to_float(dy)))
 
 
-@njit(inline="always")
-def accumulate(dy, x, y, mean, shift):
-    """(dy', dy'*(x - mean)) in float64, dy' = dy - shift: one element's terms of the sums."""
-    d = np.float64(grad(dy, y)) - shift
-    return d, d * (np.float64(to_float(x)) - mean)
+def accumulate(dy: Any, x: Any, y: Any, mean: Any, shift: Any) -> Any:
+    """(dy', dy'*(x - mean)), dy' = dy - shift: one element's terms of the sums (jitted), in
+    float64, or for half data in float32 (``block_terms``: summed in float32 in short blocks)."""
+    raise NotImplementedError
+
+
+@overload(accumulate, inline="always")
+def _accumulate(dy, x, y, mean, shift):
+    if x not in (types.int16, types.uint16):
+        def wide(dy, x, y, mean, shift):
+            d = np.float64(grad(dy, y)) - shift
+            return d, d * (np.float64(to_float(x)) - mean)
+        return wide
+
+    def narrow(dy, x, y, mean, shift):
+        # Half data are exact in float32, and so is their difference from a float32 number
+        # near them; mean and shift (float64) are split into a float32 head and tail, and the
+        # tail is taken off by an fma (one rounding, and no fastmath flags, so that the
+        # reassociating loops cannot fold it into the head): each term is as accurate as in
+        # float64, rounded once to float32.
+        mh, sh = np.float32(mean), np.float32(shift)
+        ml, sl = np.float32(mean - np.float64(mh)), np.float32(shift - np.float64(sh))
+        d = _fma(_MINUS_ONE, sl, grad(dy, y) - sh)
+        return d, d * _fma(_MINUS_ONE, ml, to_float(x) - mh)
+    return narrow
+
+
+_MINUS_ONE = np.float32(-1.0)
+
+
+def block_terms(x: Any) -> Any:
+    """(block, zero): how many elements' terms (accumulate) are summed, starting from
+    ``zero``, before the sum is added to the float64 total, for data array ``x`` (jitted).
+    Half data: 256 in float32, which vectorises at full width (float64 sums made halves'
+    reductions compute-bound), the error of a block's sum within ~8 float32 roundings
+    (8 terms per vector lane) of its terms' magnitude, far below the data's own rounding;
+    other data: all of them, in float64."""
+    raise NotImplementedError
+
+
+@overload(block_terms, inline="always")
+def _block_terms(x):
+    if x.dtype in (types.int16, types.uint16):
+        return lambda x: (256, np.float32(0.0))
+    return lambda x: (1 << 62, 0.0)
 
 
 def elementwise(x: Any, dy: Any, y: Any, z: Any, scale: Any, proj: Any, shift: Any,

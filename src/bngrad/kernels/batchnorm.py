@@ -33,7 +33,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._cache import install as _install_cache_locator
-from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, elementwise, finish, take
+from ._ops import (BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, block_terms, elementwise,
+                   finish, take)
 
 _install_cache_locator()  # before the first cached kernel is defined (kernels._cache)
 _JIT: dict[str, Any] = dict(cache=True, nogil=True)
@@ -47,13 +48,19 @@ _JIT: dict[str, Any] = dict(cache=True, nogil=True)
 # thread count. Slicing first gives LLVM indices from 0, so it vectorises.
 @njit(fastmath={"reassoc"}, **_JIT)
 def _run_sums(xr, dr, yr, m, shift, b0, b1):
-    """(sum dy', sum dy'*(x - m)) over xr[b0:b1], dr[b0:b1], in float64."""
+    """(sum dy', sum dy'*(x - m)) over xr[b0:b1], dr[b0:b1], in float64 (halves: blocks)."""
     xr, dr, yr = xr[b0:b1], dr[b0:b1], take(yr, slice(b0, b1))
     sum_dy = sum_dy_xmu = 0.0
-    for i in range(dr.shape[0]):
-        p, q = accumulate(dr[i], xr[i], take(yr, i), m, shift)
-        sum_dy += p
-        sum_dy_xmu += q
+    block, zero = block_terms(xr)
+    for k in range(0, dr.shape[0], block):  # one block unless the data are halves (_ops)
+        xb, db, yb = xr[k:k + block], dr[k:k + block], take(yr, slice(k, k + block))
+        bd = bx = zero
+        for i in range(db.shape[0]):
+            p, q = accumulate(db[i], xb[i], take(yb, i), m, shift)
+            bd += p
+            bx += q
+        sum_dy += bd
+        sum_dy_xmu += bx
     return sum_dy, sum_dy_xmu
 
 
@@ -73,7 +80,7 @@ def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, y0, y1, y2, y3, mean, shi
         p1, q1 = accumulate(d1[c], x1[c], take(y1, c), m, s)
         p2, q2 = accumulate(d2[c], x2[c], take(y2, c), m, s)
         p3, q3 = accumulate(d3[c], x3[c], take(y3, c), m, s)
-        psd[c] += (p0 + p1) + (p2 + p3)
+        psd[c] += (p0 + p1) + (p2 + p3)  # half data: a block of four float32 terms
         psx[c] += (q0 + q1) + (q2 + q3)
 
 
