@@ -321,3 +321,172 @@ def test_table_fits_a_narrow_terminal_and_names_the_largest_difference(tiny_suit
     label = result.summary()["max_rel_diff_case"]
     assert label in {c.case.label for c in result.cases}
     assert any(label in note for note in _cli_bench._notes(result))
+
+
+# --- torch.compile (--compile): optional, compiled once per case outside the timings ----------
+
+COMPILE_CASES = TINY[:2]  # float32 NCHW, bfloat16 NHWC: each case costs seconds of compiling
+# importing inductor warns from inside torch itself (its own use of torch.jit)
+torch_internal_warning = pytest.mark.filterwarnings(
+    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+
+
+def _strip_torch_compile(data: dict) -> dict:
+    """``data`` (a --json run) as an older bngrad, without torch.compile, would have written it."""
+    data = json.loads(json.dumps(data))
+    del data["options"]["torch_compile"]
+    data["contenders"].pop("torch_compile")
+    for key in [k for k in data["summary"] if "torch_compile" in k]:
+        del data["summary"][key]
+    for case in data["cases"]:
+        for key in ("speedup_vs_torch_compile", "max_rel_diff_vs_torch_compile"):
+            del case[key]
+        del case["timings"]["torch_compile"]
+    return data
+
+
+@pytest.fixture(scope="module")
+def compiled_run(tmp_path_factory):
+    """One --compile run on COMPILE_CASES, shared (compiling is slow): (JSON, folder,
+    torch.compile's keyword arguments per call, graphs dynamo compiled during the run)."""
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.utils import counters
+
+    from bngrad._bench import contenders
+    if contenders.find_cxx() is None:
+        pytest.skip("no C++ compiler for inductor (torch._inductor.config.cpp.cxx)")
+    tmp = tmp_path_factory.mktemp("compiled")
+    calls, real = [], torch.compile
+
+    def spy(fn, **kwargs):
+        calls.append(kwargs)
+        return real(fn, **kwargs)
+    graphs = counters["stats"]["unique_graphs"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(bench.SUITES, "quick", (lambda: list(COMPILE_CASES), 2, "tiny"))
+        mp.setattr(torch, "compile", spy)
+        result = _run_cli(tmp, "--compile", "--markdown", str(tmp / "bench.md"))
+    return result, tmp, calls, counters["stats"]["unique_graphs"] - graphs
+
+
+@torch_internal_warning
+def test_cli_compile_times_torch_compile_compiled_once_per_case(compiled_run):
+    result, _, calls, graphs = compiled_run
+    # inductor, static shapes, one graph per case: nothing recompiles inside the timed rounds
+    assert calls == [{"backend": "inductor", "dynamic": False, "fullgraph": True}] * 2
+    assert graphs == len(COMPILE_CASES)
+    assert result["options"]["torch_compile"] is True
+    assert "torch_compile" in result["contenders"]
+    assert len(result["cases"]) == len(COMPILE_CASES)
+    for got in result["cases"]:
+        assert "torch_compile" not in got["skipped"]
+        t = got["timings"]["torch_compile"]
+        assert len(t["samples_ms"]) >= 2 and t["q1_ms"] <= t["median_ms"] <= t["q3_ms"]
+        bn, tc = (got["timings"][k]["median_ms"] for k in ("bngrad", "torch_compile"))
+        assert got["speedup_vs_torch_compile"] == pytest.approx(tc / bn)
+        # compared like PyTorch's: the same grad_input (a guard, not a test of torch.compile)
+        assert got["max_rel_diff_vs_torch_compile"] < 0.05
+    summary = result["summary"]
+    assert summary["geomean_speedup_vs_torch_compile"] == pytest.approx(
+        bench.geomean(c["speedup_vs_torch_compile"] for c in result["cases"]))
+    assert summary["min_speedup_vs_torch_compile_case"] in {
+        bench.Case(tuple(c["shape"]), c["dtype"], c["layout"]).label for c in result["cases"]}
+
+
+@torch_internal_warning
+def test_cli_compile_markdown_has_the_column_and_ratio_and_old_json_loads(compiled_run,
+                                                                          tmp_path):
+    result, tmp, _, _ = compiled_run
+    md = (tmp / "bench.md").read_text()
+    table = [line.split("|")[1:-1] for line in md.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in table[0]]
+    assert header.index("torch.compile ms") == header.index("PyTorch ms") + 1
+    assert header.index("vs torch.compile") == header.index("vs PyTorch") + 1
+    ratio = header.index("vs torch.compile")
+    for row, got in zip(table[2:], result["cases"]):
+        assert row[ratio].strip() == f"{got['speedup_vs_torch_compile']:.2f}x"
+    assert table[-1][ratio].strip() == (
+        f"{result['summary']['geomean_speedup_vs_torch_compile']:.2f}x")
+    assert "--compile" in md and "Slowest vs torch.compile" in md
+    assert "Largest |bngrad - torch.compile|" in md
+
+    # a saved run renders the same again; a file from before --compile loads without it
+    again = tmp_path / "again.md"
+    assert cli.main(["bench", "--load", str(tmp / "bench.json"), "--markdown", str(again)]) == 0
+    assert again.read_text() == md
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(_strip_torch_compile(result)))
+    loaded = bench.SuiteResult.read_json(str(old))
+    assert loaded.options.torch_compile is False
+    assert all(c.speedup_vs_torch_compile is None for c in loaded.cases)
+    assert cli.main(["bench", "--load", str(old), "--markdown", str(again)]) == 0
+    assert "torch.compile" not in again.read_text() and "vs PyTorch" in again.read_text()
+
+
+@torch_internal_warning
+def test_cli_compile_without_a_cxx_compiler_says_why_and_runs_the_rest(tiny_suite, tmp_path,
+                                                                     monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    from bngrad._bench import contenders
+
+    monkeypatch.setitem(bench.SUITES, "quick", (lambda: TINY[:1], 2, "one case"))
+    monkeypatch.setattr(contenders.shutil, "which", lambda name, *a, **k: None)
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: calls.append(a))
+    assert contenders.find_cxx() is None
+    result = _run_cli(tmp_path, "--compile", "--no-memory", "--markdown",
+                      str(tmp_path / "bench.md"))
+    out = " ".join(capsys.readouterr().out.split())  # rich may wrap a long line
+    assert "torch.compile: torch.compile needs a C++ compiler" in out
+    assert calls == []
+    got = result["cases"][0]
+    assert "C++ compiler" in got["skipped"]["torch_compile"]
+    assert "torch_compile" not in got["timings"] and "torch" in got["timings"]
+    assert got["speedup_vs_torch_compile"] is None and got["speedup_vs_torch"] > 0
+    md = (tmp_path / "bench.md").read_text().splitlines()
+    header = [cell.strip() for cell in md[2].split("|")[1:-1]]
+    row = [cell.strip() for cell in md[4].split("|")[1:-1]]
+    assert row[header.index("torch.compile ms")] == row[header.index("vs torch.compile")] == "-"
+
+
+@torch_internal_warning
+def test_compile_failure_becomes_unavailable_with_its_first_line(monkeypatch):
+    torch = pytest.importorskip("torch")
+    from bngrad._bench import contenders
+
+    def failing(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("backend='inductor' raised:\nCompilerError: cc1plus died\n"
+                               "  the long traceback")
+        return run
+    monkeypatch.setattr(contenders, "find_cxx", lambda: "g++")
+    monkeypatch.setattr(torch, "compile", failing)
+    opts = bench.Options(threads=1, torch_compile=True)
+    for case in (TINY[0], bench.Case((2, 3, 4, 5), "float32", "contiguous", "add-relu")):
+        factory = contenders.contenders(case.op, torch_compile=True)["torch_compile"][0]
+        with pytest.raises(contenders.Unavailable) as caught:
+            factory(bench.make_arrays(case), 1, opts)
+        assert str(caught.value) == ("torch.compile failed: RuntimeError: backend='inductor' "
+                                     "raised: CompilerError: cc1plus died")
+    monkeypatch.setitem(sys.modules, "torch", None)  # no PyTorch: said, not raised
+    with pytest.raises(contenders.Unavailable, match="PyTorch is not installed"):
+        factory(bench.make_arrays(TINY[0]), 1, opts)
+
+
+@torch_internal_warning
+def test_cli_without_compile_flag_compiles_nothing(tiny_suite, tmp_path, monkeypatch):
+    torch = pytest.importorskip("torch")
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setitem(bench.SUITES, "quick", (lambda: TINY[:2], 2, "two cases"))
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda *a, **k: calls.append(a))
+    graphs = counters["stats"]["unique_graphs"]
+    result = _run_cli(tmp_path, "--no-memory", "--markdown", str(tmp_path / "bench.md"))
+    assert calls == [] and counters["stats"]["unique_graphs"] == graphs
+    assert result["options"]["torch_compile"] is False
+    assert "torch_compile" not in result["contenders"]
+    for got in result["cases"]:
+        assert "torch_compile" not in got["timings"] and "torch_compile" not in got["skipped"]
+        assert got["speedup_vs_torch_compile"] is None and "torch" in got["timings"]
+    assert "torch.compile" not in (tmp_path / "bench.md").read_text()

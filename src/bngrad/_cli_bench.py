@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scaling", action="store_true",
                         help="also time bngrad and the floor on one thread (speedup, and "
                              "bitwise determinism across thread counts)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time torch.compile (inductor, default mode, dynamic=False) "
+                             "of the PyTorch column's ops: column torch.compile ms and ratio "
+                             "vs torch.compile. Compiled once per case before timing (seconds "
+                             "per case); needs PyTorch and a C++ compiler (g++, or $CXX), "
+                             "else the reason is shown and the rest still runs")
     parser.add_argument("--startup", action="store_true",
                         help="also time the first call in fresh processes, cold (compiling) "
                              "and with a warm kernel cache")
@@ -116,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
     else:
         opts = bench.Options(threads=threads, repeat=repeat, reference_cap=args.reference_cap,
-                             scaling=args.scaling, memory=not args.no_memory)
+                             scaling=args.scaling, memory=not args.no_memory,
+                             torch_compile=args.compile)
         result = _run_with_progress(console, bench, args.suite, cases, opts)
         if args.startup:
             with console.status("Timing the first call in fresh processes (cold, then warm)..."):
@@ -170,21 +177,31 @@ def _x(value: Optional[float]) -> str:
     return _fmt(value, "{:.2f}x")
 
 
+def _compiled(result) -> bool:
+    """Whether ``result`` is a run with torch.compile (``--compile``; older files: no)."""
+    return result.options.torch_compile
+
+
 def _grid(result):
-    """(title, column names, rows, geometric-mean row, row is slower than PyTorch)."""
+    """(title, column names, rows, geometric-mean row, row is slower than PyTorch, eager or
+    compiled)."""
     from ._bench import geomean
 
     cases, s = result.cases, result.summary()
     m = result.machine
     scaling = any(c.scaling is not None for c in cases)
     memory = any("bngrad" in c.extra_memory for c in cases)
-    fused = _fused(result)
-    title = (f"bngrad bench --suite {result.suite}{' --op fused' if fused else ''}: "
+    fused, compiled = _fused(result), _compiled(result)
+    title = (f"bngrad bench --suite {result.suite}{' --op fused' if fused else ''}"
+             f"{' --compile' if compiled else ''}: "
              f"{m['cpu_model']}, {m['cores']} cores, {result.options.threads} threads, "
              f"{m['date']}")
     base = "plain" if fused else "floor"
+    # torch.compile's columns sit beside PyTorch's (time, then ratio); only with --compile
+    tc_ms, tc_x = (["torch.compile ms"], ["vs torch.compile"]) if compiled else ([], [])
     columns = ["shape", "dtype", "layout" + (", op" if fused else ""), "bngrad ms",
-               "PyTorch ms", "NumPy ms", f"{base} ms", "vs PyTorch", f"/ {base}"]
+               "PyTorch ms", *tc_ms, "NumPy ms", f"{base} ms", "vs PyTorch", *tc_x,
+               f"/ {base}"]
     columns += ["kept MiB (PyTorch)"] if fused else ["GB/s"]
     if scaling:
         columns += [f"1->{result.options.threads} thr", "cores busy"]
@@ -192,11 +209,13 @@ def _grid(result):
         columns.append("extra MiB")
     rows, slower = [], []
     for c in cases:
-        speedup = c.speedup_vs_torch
+        speedup, vs_compiled = c.speedup_vs_torch, c.speedup_vs_torch_compile
         row = [c.case.shape_text, c.case.dtype,
                c.case.layout_name + (f" {c.case.op}" if fused else ""),
-               _ms(c.median("bngrad")), _ms(c.median("torch")), _ms(c.median("reference")),
-               _ms(c.median(c.baseline)), _x(speedup), _x(c.ratio_to_floor)]
+               _ms(c.median("bngrad")), _ms(c.median("torch")),
+               *([_ms(c.median("torch_compile"))] if compiled else []),
+               _ms(c.median("reference")), _ms(c.median(c.baseline)), _x(speedup),
+               *([_x(vs_compiled)] if compiled else []), _x(c.ratio_to_floor)]
         row.append(_kept(c) if fused else _fmt(c.gbps(), "{:.1f}"))
         if scaling:
             row += [_x(c.scaling), _fmt(c.cores_busy, "{:.2f}")]
@@ -204,9 +223,11 @@ def _grid(result):
             extra = c.extra_memory.get("bngrad", {}).get("rss_extra")
             row.append("-" if extra is None else f"{extra / _MIB:.2f}")
         rows.append(row)
-        slower.append(speedup is not None and speedup < 1)
-    total = ["geometric mean", "", "", "", "", "", "",
-             _x(s["geomean_speedup_vs_torch"]), _x(s["geomean_ratio_to_floor"]),
+        slower.append(any(v is not None and v < 1 for v in (speedup, vs_compiled)))
+    total = ["geometric mean", "", "", "", "", *([""] if compiled else []), "", "",
+             _x(s["geomean_speedup_vs_torch"]),
+             *([_x(s["geomean_speedup_vs_torch_compile"])] if compiled else []),
+             _x(s["geomean_ratio_to_floor"]),
              "" if fused else _fmt(geomean(c.gbps() for c in cases), "{:.1f}")]
     if scaling:
         total += [_x(s["geomean_scaling_1_to_n"]), ""]
@@ -227,9 +248,10 @@ def _kept(c) -> str:
 
 
 # Columns a narrow terminal can do without (name prefixes), dropped in this order; the case,
-# bngrad ms, vs PyTorch and / floor always stay. --json and --markdown keep every column.
+# bngrad ms, the ratios (vs PyTorch, vs torch.compile, / floor) always stay. --json and
+# --markdown keep every column.
 _OPTIONAL_COLUMNS = ("NumPy ms", "cores busy", "GB/s", "extra MiB", "kept", "floor ms",
-                     "plain ms", "1->", "PyTorch ms")
+                     "plain ms", "1->", "torch.compile ms", "PyTorch ms")
 
 
 def _fit(columns, rows, total, width: Optional[int]):
@@ -292,6 +314,15 @@ def _notes(result) -> List[str]:
             skipped.setdefault(name, why)
     if "torch" in skipped:
         notes.append(f"[yellow]PyTorch: {skipped['torch']}[/yellow]")
+    if "torch_compile" in skipped and "torch" not in skipped:  # no PyTorch: said just above
+        notes.append(f"[yellow]torch.compile: {skipped['torch_compile']}[/yellow]")
+    if _compiled(result):
+        notes.append("torch.compile: the PyTorch column's ops compiled by inductor (default "
+                     "mode, dynamic=False, C++ kernels built for this thread count), compiled "
+                     "once per case before timing; vs torch.compile = its time / bngrad time. "
+                     "In half precision it keeps intermediates in float32 where eager PyTorch "
+                     "rounds each op's output, so its ReLU decisions (--op fused) can differ "
+                     "from the others'.")
     if "reference" in skipped:
         notes.append(f"NumPy: {skipped['reference']} (--reference-cap).")
     if _fused(result):
@@ -319,6 +350,9 @@ def _notes(result) -> List[str]:
     if s["min_speedup_vs_torch"] is not None:
         notes.append(f"Slowest vs PyTorch: {s['min_speedup_vs_torch']:.2f}x "
                      f"({s['min_speedup_case']}).")
+    if s["min_speedup_vs_torch_compile"] is not None:
+        notes.append(f"Slowest vs torch.compile: {s['min_speedup_vs_torch_compile']:.2f}x "
+                     f"({s['min_speedup_vs_torch_compile_case']}).")
     if s["median_ratio_to_floor_fp32_ge_64mib"] is not None:
         notes.append(f"float32 NCHW/channels-last cases of >= 64 MiB per array: median "
                      f"{s['median_ratio_to_floor_fp32_ge_64mib']:.2f}x the floor "
@@ -332,6 +366,10 @@ def _notes(result) -> List[str]:
     if s["max_rel_diff_vs_torch"] is not None:
         notes.append(f"Largest |bngrad - PyTorch| / max|PyTorch| over grad_input: "
                      f"{s['max_rel_diff_vs_torch']:.1e} ({s['max_rel_diff_case']}).")
+    if s["max_rel_diff_vs_torch_compile"] is not None:
+        notes.append(f"Largest |bngrad - torch.compile| / max|torch.compile| over grad_input: "
+                     f"{s['max_rel_diff_vs_torch_compile']:.1e} "
+                     f"({s['max_rel_diff_vs_torch_compile_case']}).")
     if s["deterministic_across_threads"] is not None:
         differ = [c.case.label for c in cases if c.deterministic_across_threads is False]
         verdict = ("yes, every case" if not differ

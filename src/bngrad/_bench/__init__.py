@@ -15,7 +15,10 @@ the same thread count for every contender:
   every other contender does. No batch-norm backward that returns a new grad_input can beat
   it: it must read x and dy and write dx too;
 - **floor_in_place**: the same pass into one output allocated up front, so the difference to
-  ``floor`` is what fresh memory costs (page faults, the kernel zeroing pages).
+  ``floor`` is what fresh memory costs (page faults, the kernel zeroing pages);
+- **torch_compile** (only with ``Options.torch_compile``): the torch contender's function
+  through ``torch.compile`` (inductor, static shapes), compiled before the timings (skipped,
+  with the reason, without PyTorch or a C++ compiler, or when compiling fails).
 
 Contenders are interleaved within each repeat (and their order rotated) so that the machine's
 noise falls on all of them alike; figures are medians. Nothing here prints:

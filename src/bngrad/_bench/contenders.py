@@ -1,6 +1,7 @@
 """The contenders timed on each case: bngrad, PyTorch, the NumPy reference and the floor
 (batch norm's backward), or bngrad's fused pair, PyTorch's unfused sequence, the reference and
-bngrad's plain batch norm (the fused ops, forward + backward).
+bngrad's plain batch norm (the fused ops, forward + backward); with ``Options.torch_compile``,
+also PyTorch's ops compiled by ``torch.compile`` ("torch_compile", either op).
 
 Each is a factory ``(data, threads, options) -> callable``; a factory raises
 :class:`Unavailable`, with the reason shown to the user, when its contender cannot run here.
@@ -9,7 +10,8 @@ Every callable returns a tuple whose first item is grad_input (compared across c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Tuple
+import shutil
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
 import bngrad
 from bngrad import reference
@@ -27,14 +29,20 @@ class Unavailable(Exception):
     """A contender cannot run here; the message says why (shown to the user)."""
 
 
+#: ``torch.ops.aten`` once :func:`import_torch` has found PyTorch (which is optional)
+_aten: Any = None
+
+
 def import_torch():
     """(torch, from_numpy) or Unavailable; one place, so tests can pretend torch is missing."""
+    global _aten
     try:
         import torch
         from bngrad.torch._convert import from_numpy
     except ImportError as exc:
         raise Unavailable("PyTorch is not installed (pip install '.[torch]' in bngrad's clone "
                           f"to compare against it): {exc}") from None
+    _aten = torch.ops.aten
     return torch, from_numpy
 
 
@@ -44,17 +52,31 @@ def _bngrad(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
                       True, EPS, (True, True, True), channel_axis=1, num_threads=threads)
 
 
+def _aten_backward(dy, x, w, m, s):
+    """What the torch contenders run (eager, or traced by torch.compile): batch norm's backward."""
+    return _aten.native_batch_norm_backward(dy, x, w, None, None, m, s, True, EPS,
+                                            [True, True, True])
+
+
+def _backward_args(data: CaseData, from_numpy) -> tuple:
+    """_aten_backward's tensors, sharing the case's memory."""
+    return tuple(from_numpy(a) for a in (data.grad_out, data.input, data.weight,
+                                         data.save_mean, data.save_invstd))
+
+
+def _set_threads(torch, threads: int) -> None:
+    # torch's thread count is process-global; run_suite sets it, this re-asserts it
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def _torch(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
     torch, from_numpy = import_torch()
-    dy, x, w, m, s = (from_numpy(a) for a in (data.grad_out, data.input, data.weight,
-                                              data.save_mean, data.save_invstd))
-    op = torch.ops.aten.native_batch_norm_backward
+    args = _backward_args(data, from_numpy)
 
     def run():
-        # torch's thread count is process-global; run_suite sets it, this re-asserts it
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        return op(dy, x, w, None, None, m, s, True, EPS, [True, True, True])
+        _set_threads(torch, threads)
+        return _aten_backward(*args)
     return run
 
 
@@ -110,24 +132,91 @@ def _plain(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
     return run
 
 
-def _torch_sequence(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
+def _aten_sequence(dy, x, w, z):
     """The ops autograd runs for BN -> (add ->) ReLU and back: native_batch_norm, add, relu;
     threshold_backward (the add passes the gradient on as it is), native_batch_norm_backward.
     (Without autograd's own bookkeeping, which would only add to PyTorch's time.)"""
-    torch, from_numpy = import_torch()
-    dy, x, w = (from_numpy(a) for a in (data.grad_out, data.input, data.weight))
+    aten = _aten
+    out, mean, invstd = aten.native_batch_norm(x, w, None, None, None, True, 0.1, EPS)
+    y = aten.relu(out if z is None else aten.add(out, z))
+    g = aten.threshold_backward(dy, y, 0)
+    return aten.native_batch_norm_backward(g, x, w, None, None, mean, invstd, True, EPS,
+                                           [True, True, True]) + (g,)
+
+
+def _sequence_args(data: CaseData, from_numpy) -> tuple:
+    """_aten_sequence's tensors, sharing the case's memory (z: None but for add-relu)."""
     z = None if data.side_input is None else from_numpy(data.side_input)
-    aten = torch.ops.aten
+    return tuple(from_numpy(a) for a in (data.grad_out, data.input, data.weight)) + (z,)
+
+
+def _torch_sequence(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
+    torch, from_numpy = import_torch()
+    args = _sequence_args(data, from_numpy)
 
     def run():
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
-        out, mean, invstd = aten.native_batch_norm(x, w, None, None, None, True, 0.1, EPS)
-        y = aten.relu(out if z is None else aten.add(out, z))
-        g = aten.threshold_backward(dy, y, 0)
-        return aten.native_batch_norm_backward(g, x, w, None, None, mean, invstd, True, EPS,
-                                               [True, True, True]) + (g,)
+        _set_threads(torch, threads)
+        return _aten_sequence(*args)
     return run
+
+
+# --- torch.compile (optional): the torch contender's ops, compiled by inductor ---------------
+
+def find_cxx() -> Optional[str]:
+    """The C++ compiler inductor would use (``torch._inductor.config.cpp.cxx``, found on PATH),
+    or None. Inductor turns the graph into C++ and builds it: without one, compiling fails."""
+    candidates: Any
+    try:
+        from torch._inductor import config
+        candidates = config.cpp.cxx
+    except (ImportError, AttributeError):
+        candidates = ("g++",)
+    if isinstance(candidates, str) or candidates is None:
+        candidates = (candidates,)
+    # None there means "download one with conda", which the bench will not do
+    return next((c for c in candidates if c and shutil.which(c)), None)
+
+
+def _first_line(exc: BaseException) -> str:
+    """``exc``'s first line, with the next one when it only announces it (inductor's errors
+    start "backend='inductor' raised:")."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return " ".join(lines[:2]) if lines[0].endswith(":") and len(lines) > 1 else lines[0]
+
+
+def compile_contender(fn: Callable, args: Sequence, threads: int) -> Callable[[], Any]:
+    """``torch.compile(fn)`` (inductor, default mode, static shapes), compiled here by a first
+    call on ``args`` so that no timing includes it; Unavailable when torch, a C++ compiler or
+    the compilation is missing or fails."""
+    torch = import_torch()[0]
+    if find_cxx() is None:
+        raise Unavailable("torch.compile needs a C++ compiler, and none of "
+                          "torch._inductor.config.cpp.cxx is on PATH (install g++ or set CXX)")
+    _set_threads(torch, threads)  # inductor's C++ kernels fix their thread count when built
+    # Every case compiles the same function: forget the previous cases' graphs, or dynamo's
+    # recompile limit (8) would silently leave later cases running eagerly.
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
+        compiled(*args)
+    except Exception as exc:  # never let one case's compiler failure stop the whole run
+        raise Unavailable(f"torch.compile failed: {type(exc).__name__}: {_first_line(exc)}"
+                          ) from None
+
+    def run():
+        _set_threads(torch, threads)
+        return compiled(*args)
+    return run
+
+
+def _torch_compile(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
+    return compile_contender(_aten_backward, _backward_args(data, import_torch()[1]), threads)
+
+
+def _torch_compile_sequence(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
+    return compile_contender(_aten_sequence, _sequence_args(data, import_torch()[1]), threads)
 
 
 def _reference_fused(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
@@ -162,9 +251,24 @@ FUSED_CONTENDERS: Dict[str, Tuple[Callable, str]] = {
 }
 
 
-def contenders(op: str) -> Dict[str, Tuple[Callable, str]]:
-    """The contenders of a case of operation ``op`` (bngrad._bench.cases.OPS)."""
-    return CONTENDERS if op == "backward" else FUSED_CONTENDERS
+#: the optional contender (Options.torch_compile), per op: PyTorch's contender compiled
+TORCH_COMPILE = "torch_compile"
+_COMPILED: Dict[str, Tuple[Callable, str]] = {
+    "backward": (_torch_compile, "torch.compile (inductor, default mode, dynamic=False) of "
+                                 "the torch contender's native_batch_norm_backward"),
+    "fused": (_torch_compile_sequence, "torch.compile (inductor, default mode, dynamic=False) "
+                                       "of the torch contender's sequence"),
+}
+
+
+def contenders(op: str, torch_compile: bool = False) -> Dict[str, Tuple[Callable, str]]:
+    """The contenders of a case of operation ``op`` (bngrad._bench.cases.OPS); with
+    ``torch_compile``, also :data:`TORCH_COMPILE` (off by default: compiling takes seconds
+    per case)."""
+    chosen = CONTENDERS if op == "backward" else FUSED_CONTENDERS
+    if not torch_compile:
+        return chosen
+    return {**chosen, TORCH_COMPILE: _COMPILED["backward" if op == "backward" else "fused"]}
 
 
 # With Options.scaling, these run on one thread as well, under the name "<name>@1".

@@ -12,7 +12,7 @@ import numpy as np
 from .. import _dtypes
 from .. import fused
 from .cases import CF_CL, Case
-from .contenders import contenders
+from .contenders import TORCH_COMPILE, contenders
 from .measure import Timing
 
 
@@ -29,6 +29,8 @@ class Options:
     min_sample_s: float = 0.01
     gap_s: float = 0.002
     seed: int = 0
+    #: also time torch.compile of PyTorch's ops (contenders.TORCH_COMPILE); compiles per case
+    torch_compile: bool = False
 
 
 @dataclass
@@ -43,6 +45,7 @@ class CaseResult:
     deterministic_across_threads: Optional[bool] = None
     cores_busy: Optional[float] = None
     threads: int = 1
+    max_rel_diff_vs_torch_compile: Optional[float] = None
 
     def median(self, name: str) -> Optional[float]:
         t = self.timings.get(name)
@@ -55,6 +58,11 @@ class CaseResult:
     @property
     def speedup_vs_torch(self) -> Optional[float]:
         return self._ratio("torch", "bngrad")
+
+    @property
+    def speedup_vs_torch_compile(self) -> Optional[float]:
+        """torch.compile's time / bngrad's (None without Options.torch_compile)."""
+        return self._ratio(TORCH_COMPILE, "bngrad")
 
     @property
     def baseline(self) -> str:
@@ -107,12 +115,15 @@ class CaseResult:
             "threads": self.threads,
             "timings": {k: v.to_json() for k, v in self.timings.items()},
             "skipped": self.skipped,
-            "speedup_vs_torch": self.speedup_vs_torch, "ratio_to_floor": self.ratio_to_floor,
+            "speedup_vs_torch": self.speedup_vs_torch,
+            "speedup_vs_torch_compile": self.speedup_vs_torch_compile,
+            "ratio_to_floor": self.ratio_to_floor,
             "gbps": self.gbps(), "floor_gbps": self.gbps("floor"),
             "scaling_1_to_n": self.scaling, "floor_scaling_1_to_n": self.floor_scaling,
             "cores_busy": self.cores_busy,
             "extra_memory": self.extra_memory,
             "max_rel_diff_vs_torch": self.max_rel_diff_vs_torch,
+            "max_rel_diff_vs_torch_compile": self.max_rel_diff_vs_torch_compile,
             "deterministic_across_threads": self.deterministic_across_threads,
         }
 
@@ -138,6 +149,9 @@ class SuiteResult:
         cs = self.cases
         speedups = [(c.speedup_vs_torch, c) for c in cs if c.speedup_vs_torch is not None]
         slowest = min(speedups, key=lambda p: p[0]) if speedups else None
+        vs_compiled = [(c.speedup_vs_torch_compile, c) for c in cs
+                       if c.speedup_vs_torch_compile is not None]
+        slowest_compiled = min(vs_compiled, key=lambda p: p[0]) if vs_compiled else None
         big = [c.ratio_to_floor for c in cs
                if c.case.dtype == "float32" and c.case.layout in CF_CL and not c.case.fused
                and c.case.bytes_per_array >= 64 << 20 and c.ratio_to_floor is not None]
@@ -150,12 +164,19 @@ class SuiteResult:
         extras = [e for e in rss_extras if e is not None]
         diffs = [(c.max_rel_diff_vs_torch, c) for c in cs if c.max_rel_diff_vs_torch is not None]
         largest_diff = max(diffs, key=lambda p: p[0]) if diffs else None
+        compiled_diffs = [(c.max_rel_diff_vs_torch_compile, c) for c in cs
+                          if c.max_rel_diff_vs_torch_compile is not None]
+        largest_compiled = max(compiled_diffs, key=lambda p: p[0]) if compiled_diffs else None
         det = [c.deterministic_across_threads for c in cs
                if c.deterministic_across_threads is not None]
         return {
             "geomean_speedup_vs_torch": geomean(s for s, _ in speedups),
             "min_speedup_vs_torch": slowest[0] if slowest else None,
             "min_speedup_case": slowest[1].case.label if slowest else None,
+            "geomean_speedup_vs_torch_compile": geomean(s for s, _ in vs_compiled),
+            "min_speedup_vs_torch_compile": slowest_compiled[0] if slowest_compiled else None,
+            "min_speedup_vs_torch_compile_case": (slowest_compiled[1].case.label
+                                                  if slowest_compiled else None),
             "geomean_ratio_to_floor": geomean(c.ratio_to_floor for c in cs),
             "median_ratio_to_floor_fp32_ge_64mib": float(np.median(big)) if big else None,
             "fp32_ge_64mib_cases": len(big),
@@ -164,6 +185,9 @@ class SuiteResult:
             "max_bngrad_extra_bytes": max(extras) if extras else None,
             "max_rel_diff_vs_torch": largest_diff[0] if largest_diff else None,
             "max_rel_diff_case": largest_diff[1].case.label if largest_diff else None,
+            "max_rel_diff_vs_torch_compile": largest_compiled[0] if largest_compiled else None,
+            "max_rel_diff_vs_torch_compile_case": (largest_compiled[1].case.label
+                                                   if largest_compiled else None),
             "deterministic_across_threads": all(det) if det else None,
         }
 
@@ -182,9 +206,9 @@ class SuiteResult:
                         "reference_cap": opts.reference_cap, "scaling": opts.scaling,
                         "memory": opts.memory, "min_sample_s": opts.min_sample_s,
                         "gap_s": opts.gap_s,
-                        "seed": opts.seed},
+                        "seed": opts.seed, "torch_compile": opts.torch_compile},
             "contenders": {k: v[1] for op in dict.fromkeys(c.case.op for c in self.cases)
-                           for k, v in contenders(op).items()},
+                           for k, v in contenders(op, opts.torch_compile).items()},
             "summary": self.summary(),
             "cases": [c.to_json() for c in self.cases],
             "startup": self.startup,
@@ -196,7 +220,8 @@ class SuiteResult:
         o = data["options"]
         opts = Options(threads=o["threads"], repeat=o["repeat"], reference_cap=o["reference_cap"],
                        scaling=o["scaling"], memory=o["memory"], min_sample_s=o["min_sample_s"],
-                       gap_s=o.get("gap_s", 0.0), seed=o["seed"])
+                       gap_s=o.get("gap_s", 0.0), seed=o["seed"],
+                       torch_compile=o.get("torch_compile", False))  # older files: no such key
         cases = []
         for c in data["cases"]:
             timings = {name: Timing([v / 1e3 for v in t["samples_ms"]], t["number"])
@@ -205,7 +230,8 @@ class SuiteResult:
                 Case(tuple(c["shape"]), c["dtype"], c["layout"], c.get("op", "backward")),
                 timings, dict(c["skipped"]),
                 dict(c["extra_memory"]), c["max_rel_diff_vs_torch"],
-                c["deterministic_across_threads"], c.get("cores_busy"), c["threads"]))
+                c["deterministic_across_threads"], c.get("cores_busy"), c["threads"],
+                c.get("max_rel_diff_vs_torch_compile")))
         return cls(data["suite"], opts, dict(data["machine"]), cases, data.get("startup"))
 
     @classmethod

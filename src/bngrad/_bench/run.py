@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import ArgumentValueError
 from .arrays import make_arrays
 from .cases import Case
-from .contenders import SCALED, Unavailable, contenders
+from .contenders import SCALED, TORCH_COMPILE, Unavailable, contenders
 from .machine import OtherLoad, machine_info, pool_size
 from .measure import Timing, calibrate, cores_busy, measure_extra_memory, time_calls, torch_threads
 from .results import CaseResult, Options, SuiteResult
@@ -57,7 +57,7 @@ def run_case(case: Case, opts: Options,
     step(0.0, "allocating")
     data = make_arrays(case, opts.seed)
     fns: Dict[str, Callable[[], Any]] = {}
-    factories = contenders(case.op)
+    factories = contenders(case.op, opts.torch_compile)
     for name, (factory, _) in factories.items():
         try:
             fns[name] = factory(data, opts.threads, opts)
@@ -72,7 +72,8 @@ def run_case(case: Case, opts: Options,
     numbers = {name: calibrate(fn, opts.min_sample_s) for name, fn in fns.items()}
     if "reference" in numbers:
         numbers["reference"] = 1
-    result.max_rel_diff_vs_torch = _agreement(fns)
+    result.max_rel_diff_vs_torch = _agreement(fns, "torch")
+    result.max_rel_diff_vs_torch_compile = _agreement(fns, TORCH_COMPILE)
     if "bngrad@1" in fns:
         one, many = fns["bngrad@1"](), fns["bngrad"]()
         result.deterministic_across_threads = all(
@@ -108,11 +109,11 @@ def run_case(case: Case, opts: Options,
     return result
 
 
-def _agreement(fns: Dict[str, Callable[[], Any]]) -> Optional[float]:
-    """max |bngrad dx - torch dx| / max |torch dx|: a guard against timing a wrong answer."""
-    if "bngrad" not in fns or "torch" not in fns:
+def _agreement(fns: Dict[str, Callable[[], Any]], other: str) -> Optional[float]:
+    """max |bngrad dx - other's dx| / max |other's dx|: a guard against timing a wrong answer."""
+    if "bngrad" not in fns or other not in fns:
         return None
-    ours, theirs = _as_float64(fns["bngrad"]()), _as_float64(fns["torch"]())
+    ours, theirs = _as_float64(fns["bngrad"]()), _as_float64(fns[other]())
     if not theirs.size:
         return 0.0
     scale = float(np.max(np.abs(theirs)))
