@@ -208,4 +208,9 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
         else:
             dy = as_kernel_array(grad_out.transpose(layout.order))
         dy = dy.reshape(layout.canonical)
+        dy.flags.writeable = False
+    # The kernels' inputs as read-only views (never the caller's arrays: reshape made new ones):
+    # Numba compiles a kernel once more for each read-only operand, so writable and read-only
+    # callers share one compiled kernel.
+    x.flags.writeable = False
     return Plan(x, dy, layout, kernels.plan(x, threads))
