@@ -294,11 +294,14 @@ def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_m
 def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running_var: Any,
               save_mean: Any, save_invstd: Any, train: Any, eps: Any, output_mask: Any,
               channel_axis: Any, num_threads: Any, out: Optional[Array],
-              relu: Optional[Array] = None, grad_side: bool = False
+              relu: Optional[Array] = None, relu_bits: Optional[Array] = None,
+              grad_side: bool = False
               ) -> Tuple[Optional[Array], Optional[Array], Optional[Array], Optional[Array]]:
     """batch_norm_backward, and the operands of bngrad.fused's variant: ``relu`` (the
-    forward output, or mask bytes as uint8; input's shape, any layout, checked by the caller)
-    masks grad_out in both passes; with ``grad_side`` the masked gradient g is also returned
+    forward output, or mask bytes as uint8; input's shape, any layout) or ``relu_bits`` (the
+    mask as bits in input's memory order, which is the kernels' canonical order: read by the
+    kernels as they go), checked by the caller, masks grad_out in both passes; with
+    ``grad_side`` the masked gradient g is also returned
     (grad_side_input, written by the pass that writes grad_input). Returns (grad_input,
     grad_weight, grad_bias, g or None)."""
     grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
@@ -323,7 +326,8 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
 
     layout = plan(input, grad_out, axis, resolve_num_threads(threads))
     with kernels.region(layout.kernel):
-        y = None if relu is None else layout.canonical(relu)
+        y: kernels.Aux = (None if relu is None else layout.canonical(relu)) if relu_bits is None \
+            else (relu_bits, 0)
         side_kernel: Optional[Array] = None
         side: Optional[Array] = None
         if grad_side:

@@ -35,10 +35,10 @@ at 0 included.
 **Fused in the kernels** (kernels._ops, docs/internals.md): the forward writes y and the mask
 (bytes, or bits packed there) in batch norm's normalize pass, adding the side input on the
 way; the backward's passes (reduction and grad_input, or the one fused pass) read ``g`` from
-grad_out and the ReLU's record (y, or the mask bytes), and the grad_input pass also writes
-grad_side_input. Not in the kernels: the backward unpacks a ``"bits"`` mask to bytes with
-NumPy first (one extra pass over a byte per element, in memory order: no transpose for any
-dense layout); grad_side_input without grad_input takes a pass of its own.
+grad_out and the ReLU's record (y, the mask bytes, or the mask bits, each item unpacking the
+bits of the range it reads into a small scratch buffer), and the grad_input pass also writes
+grad_side_input. Not in the kernels: grad_side_input without grad_input takes a pass of its
+own.
 """
 
 from __future__ import annotations
@@ -260,8 +260,7 @@ def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
     Arguments are those of :func:`bngrad.batch_norm_backward` (``native_batch_norm_backward``'s
     order), with a fourth output in ``output_mask`` and the ReLU given by ``output`` or
     ``relu_mask``. The mask is applied, and grad_side_input written, inside batch norm's
-    backward passes; a "bits" mask is first unpacked to bytes by NumPy, in input's memory
-    order (see :mod:`bngrad.fused`).
+    backward passes (a "bits" mask is read there too, see :mod:`bngrad.fused`).
 
     Parameters
     ----------
@@ -343,11 +342,11 @@ def _fused_backward_impl(grad_out: Array, input: Array, weight: Any, running_mea
                          ) -> Tuple[Optional[Array], Optional[Array], Optional[Array],
                                     Optional[Array]]:
     """The fused backward, on arguments checked above (the batch-norm ones are checked by
-    bngrad.api): the kernels mask grad_out by y or by the mask bytes (a "bits" mask unpacked
-    to them first) and write grad_side_input beside grad_input."""
-    relu = output
-    if relu_mask is not None:
-        relu = _unpack(relu_mask, input)
+    bngrad.api): the kernels mask grad_out by y, the mask bytes or the mask bits (in input's
+    memory order, which is the kernels' canonical order) and write grad_side_input beside
+    grad_input."""
+    bits = relu_mask if relu_mask is not None and relu_mask.dtype == np.uint8 else None
+    relu = output if relu_mask is None else None if bits is not None else relu_mask
     return _backward(grad_out, input, weight, running_mean, running_var, save_mean,
                      save_invstd, train, eps, output_mask[:3], channel_axis, num_threads, out,
-                     relu=relu, grad_side=output_mask[3])
+                     relu=relu, relu_bits=bits, grad_side=output_mask[3])

@@ -72,7 +72,8 @@ _NO_REGION = contextlib.nullcontext()
 
 
 # the elementwise pass's second output: an array like out, the forward's mask bits with the
-# flat index of out's first element, or None
+# flat index of out's first element, or None; also the backward's ReLU record y (the forward's
+# output, its mask bytes, or its mask bits so)
 Aux = Union[np.ndarray, Tuple[np.ndarray, int], None]
 
 _scratch = threading.local()
@@ -119,10 +120,10 @@ def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
 
 
 def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
-           shift: Optional[np.ndarray] = None, y: Optional[np.ndarray] = None
-           ) -> tuple[np.ndarray, np.ndarray]:
+           shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (default 0);
-    with dy = x and shift = mean, the second pass of the variance. Given ``y``, dy is first
+    with dy = x and shift = mean, the second pass of the variance. Given ``y`` (the forward's
+    output, mask bytes, or mask bits with the flat index of x's first element), dy is first
     masked by the ReLU it records."""
     C = x.shape[1]
     sums = (np.zeros(C), np.zeros(C))
@@ -130,7 +131,7 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
         for piece in plan.reduce_pieces:
             px = _piece_view(x, piece)
             pdy = px if dy is x else _piece_view(dy, piece)
-            py = None if y is None else _piece_view(y, piece)
+            py = _piece_aux(y, piece, C)
             assert px is not None
             M, L = px.shape
             lane_mean = _spread(mean, piece)
@@ -155,7 +156,8 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
             n = plan.blocks * _ceil_div(C, plan.group)
             launcher(plan.serial, n).reduce_short(
                 n, x.reshape(A, C * B), dy.reshape(A, C * B),
-                None if y is None else y.reshape(A, C * B), B, mean, shift, plan.rows,
+                y if y is None or isinstance(y, tuple) else y.reshape(A, C * B), B, mean, shift,
+                plan.rows,
                 plan.group, partial)
         else:
             n = partial.shape[0] * partial.shape[1] * C
@@ -203,15 +205,14 @@ def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
 
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
                 x: Optional[np.ndarray] = None, dy: Optional[np.ndarray] = None,
-                y: Optional[np.ndarray] = None, z: Optional[np.ndarray] = None,
-                aux: Aux = None) -> None:
+                y: Aux = None, z: Optional[np.ndarray] = None, aux: Aux = None) -> None:
     """out = kernels._ops.elementwise with the rows of ``coef``: given x and dy, the training
     grad_input; dy only, the eval grad_input; x only, the forward output. The fused operands
     y, z, aux: see the module's docstring (aux as mask bits: zeroed by the caller)."""
     if plan.path == "lanes":
         for piece in plan.elemt_pieces:
-            px, pdy, py, pz, pout = (_piece_view(a, piece) for a in (x, dy, y, z, out))
-            paux = _piece_aux(aux, piece, out.shape[1])
+            px, pdy, pz, pout = (_piece_view(a, piece) for a in (x, dy, z, out))
+            py, paux = (_piece_aux(a, piece, out.shape[1]) for a in (y, aux))
             assert pout is not None
             M, L = pout.shape
             n = _ceil_div(M, piece.rows) * _ceil_div(L, piece.cols)

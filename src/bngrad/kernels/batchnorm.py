@@ -8,8 +8,9 @@ the end) cannot change the result. The per-element maths is kernels._ops'.
 
 Determinism: reduction tiles have bounds that depend on the shape only, each is summed in a
 fixed order, and the tile sums are added in a fixed order; the fused and two-phase paths share
-``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64; elementwise
-arithmetic runs in ``coef``'s dtype (float64 for float64 data, float32 otherwise).
+``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64 (half data:
+float32 blocks of at most 256 terms first, kernels._ops.block_terms); elementwise arithmetic
+runs in ``coef``'s dtype (float64 for float64 data, float32 otherwise).
 
 Operands of the fused variants (bngrad.fused; None compiles them away, kernels._ops): ``y``,
 the backward's ReLU record (the forward output, or mask bytes as uint8), read beside dy by
@@ -19,7 +20,8 @@ grad_side_input), written beside ``out``. The forward's mask may instead be bits
 then ``(bits, start)``, a 1-D uint8 array packing one bit per element in the canonical array's
 memory order (element k: bit ``k % 8`` of ``bits[k // 8]``) and the flat index of the array's
 first element; each item writes its mask bytes to a scratch buffer (``_with_scratch``,
-``_mask_part``) and packs them (``_flush``).
+``_mask_part``) and packs them (``_flush``). The backward's ``y`` may be such bits too: each
+loop unpacks the range it reads into its item's scratch (``_relu_record``).
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ _JIT: dict[str, Any] = dict(cache=True, nogil=True)
 
 # Reassociation lets LLVM vectorise this reduction (4x faster than a fixed-lane scalar loop);
 # the vector order is fixed in the compiled code, so the result still does not depend on the
-# thread count. Slicing first gives LLVM indices from 0, so it vectorises.
+# thread count. Callers slice, so that LLVM sees indices from 0, and vectorises.
 @njit(fastmath={"reassoc"}, **_JIT)
-def _run_sums(xr, dr, yr, m, shift, b0, b1):
-    """(sum dy', sum dy'*(x - m)) over xr[b0:b1], dr[b0:b1], in float64 (halves: blocks)."""
-    xr, dr, yr = xr[b0:b1], dr[b0:b1], take(yr, slice(b0, b1))
+def _run_sums(xr, dr, yr, m, shift):
+    """(sum dy', sum dy'*(x - m)) over 1-D xr, dr (yr: their ReLU record or None), in float64
+    (halves: in blocks)."""
     sum_dy = sum_dy_xmu = 0.0
     block, zero = block_terms(xr)
     for k in range(0, dr.shape[0], block):  # one block unless the data are halves (_ops)
@@ -87,16 +89,21 @@ def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, y0, y1, y2, y3, mean, shi
 @njit(**_JIT)
 def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
     """Add rows r0..r1-1 of lanes c0..c1-1 into psd, psx (per lane, rows in order)."""
+    L, w = x.shape[1], c1 - c0
+    ys = _with_scratch(y, 4 * w)
     r = r0
     while r + 4 <= r1:  # four rows per pass over the partial sums: a quarter of the stores
         _accumulate_4_rows(x[r, c0:c1], x[r + 1, c0:c1], x[r + 2, c0:c1], x[r + 3, c0:c1],
                            dy[r, c0:c1], dy[r + 1, c0:c1], dy[r + 2, c0:c1], dy[r + 3, c0:c1],
-                           take(y, (r, slice(c0, c1))), take(y, (r + 1, slice(c0, c1))),
-                           take(y, (r + 2, slice(c0, c1))), take(y, (r + 3, slice(c0, c1))),
+                           _relu_record(ys, (r, slice(c0, c1)), r * L + c0, w, 0),
+                           _relu_record(ys, (r + 1, slice(c0, c1)), (r + 1) * L + c0, w, w),
+                           _relu_record(ys, (r + 2, slice(c0, c1)), (r + 2) * L + c0, w, 2 * w),
+                           _relu_record(ys, (r + 3, slice(c0, c1)), (r + 3) * L + c0, w, 3 * w),
                            mean, shift, psd, psx)
         r += 4
     while r < r1:
-        _accumulate_row(x[r, c0:c1], dy[r, c0:c1], take(y, (r, slice(c0, c1))), mean, shift,
+        _accumulate_row(x[r, c0:c1], dy[r, c0:c1],
+                        _relu_record(ys, (r, slice(c0, c1)), r * L + c0, w, 0), mean, shift,
                         psd, psx)
         r += 1
 
@@ -191,8 +198,8 @@ def _pack_bits(mask, n, bits, start):
 
 
 def _with_scratch(aux: Any, n: Any) -> Any:
-    """An item's ``aux``: mask bits ``(bits, base)`` get a scratch buffer for ``n`` mask
-    bytes, ``(bits, base, scratch)``; anything else is itself (jitted)."""
+    """An item's ``aux`` or ``y``: mask bits ``(bits, base)`` get a scratch buffer for ``n``
+    mask bytes, ``(bits, base, scratch)``; anything else is itself (jitted)."""
     raise NotImplementedError
 
 
@@ -232,6 +239,80 @@ def _flush_impl(aux, start, n):
     return lambda aux, start, n: None
 
 
+# The backward's ReLU record as bits (``y`` = (bits, base), the forward's mask): each loop
+# unpacks the bits of the range it reads (contiguous in memory) into its item's scratch as 0/1
+# bytes, one vector shuffle, AND and compare per 32 (x86: vpshufb, vpand, vpcmpeqb), and reads
+# those as it would mask bytes: no pass over memory of its own, no full-size temporary.
+
+def _unpack_codegen(lanes):
+    def codegen(context, builder, signature, args):
+        bits_type, _, mask_type, _ = signature.args
+        bits = context.make_array(bits_type)(context, builder, args[0])
+        mask = context.make_array(mask_type)(context, builder, args[2])
+        src = cgutils.get_item_pointer(context, builder, bits_type, bits, [args[1]])
+        dst = cgutils.get_item_pointer(context, builder, mask_type, mask, [args[3]])
+        i8, n_bytes = ir.IntType(8), lanes // 8
+        loaded = builder.load(builder.bitcast(src, ir.VectorType(i8, n_bytes).as_pointer()),
+                              align=1)
+        spread = builder.shuffle_vector(  # byte k // 8 in lane k
+            loaded, ir.Constant(ir.VectorType(i8, n_bytes), None),
+            ir.Constant(ir.VectorType(ir.IntType(32), lanes), [k // 8 for k in range(lanes)]))
+        vector = ir.VectorType(i8, lanes)
+        bit = builder.and_(spread, ir.Constant(vector, [1 << (k % 8) for k in range(lanes)]))
+        byte = builder.zext(builder.icmp_unsigned("!=", bit, ir.Constant(vector, None)), vector)
+        builder.store(byte, builder.bitcast(dst, vector.as_pointer()), align=1)
+        return context.get_dummy_value()
+    return codegen
+
+
+@intrinsic
+def _unpack32(typingctx, bits, j, mask, i):
+    """mask[i:i+32] = the bits of bits[j:j+4] as 0/1 bytes, bit k % 8 of byte j + k // 8 to
+    mask[i + k] (uint8 arrays)."""
+    return types.void(bits, j, mask, i), _unpack_codegen(32)
+
+
+@intrinsic
+def _unpack8(typingctx, bits, j, mask, i):
+    """mask[i:i+8] = the bits of bits[j], as _unpack32."""
+    return types.void(bits, j, mask, i), _unpack_codegen(8)
+
+
+@njit(**_JIT)
+def _unpack_bits(bits, start, n, mask):
+    """mask[0:n] = the bits of flat elements start..start+n-1 as 0/1 bytes."""
+    head = min(n, -start % 8)
+    for i in range(head):
+        mask[i] = (bits[(start + i) // 8] >> ((start + i) % 8)) & 1
+    b0, body = (start + head) // 8, (n - head) // 8
+    for j in range(body // 4):
+        _unpack32(bits, b0 + 4 * j, mask, head + 32 * j)
+    for j in range(body // 4 * 4, body):
+        _unpack8(bits, b0 + j, mask, head + 8 * j)
+    for i in range(head + 8 * body, n):
+        mask[i] = (bits[(start + i) // 8] >> ((start + i) % 8)) & 1
+
+
+def _relu_record(y: Any, index: Any, flat: Any, n: Any, offset: Any) -> Any:
+    """The backward's ReLU record for a loop over input[index] (jitted): None; ``y[index]``;
+    for mask bits ``(bits, base, scratch)``, the bits of flat elements base + flat ... (n of
+    them, contiguous in memory) unpacked into scratch[offset:offset + n], which it returns."""
+    raise NotImplementedError
+
+
+@overload(_relu_record, inline="always")
+def _relu_record_impl(y, index, flat, n, offset):
+    if isinstance(y, types.NoneType):
+        return lambda y, index, flat, n, offset: None
+    if isinstance(y, types.BaseTuple):
+        def unpacked(y, index, flat, n, offset):
+            part = y[2][offset:offset + n]
+            _unpack_bits(y[0], y[1] + flat, n, part)
+            return part
+        return unpacked
+    return lambda y, index, flat, n, offset: y[index]
+
+
 # ---------------------------------------------------------------------------------------------
 # coefficients (shared by every path, so that all paths round identically)
 
@@ -257,11 +338,14 @@ def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef):
 @njit(**_JIT)
 def _tile_sums(x, dy, y, m, shift, c, j, s, rows, seg):
     """(sum dy', sum dy'*(x - m)) of tile (j, s) of channel c: rows block j, run segment s."""
-    A, _, B = x.shape
+    A, C, B = x.shape
+    b0, b1 = s * seg, min(B, s * seg + seg)
+    ys = _with_scratch(y, b1 - b0)
     sd = sx = 0.0
     for a in range(j * rows, min(A, j * rows + rows)):
-        p, q = _run_sums(x[a, c], dy[a, c], take(y, (a, c)), m, shift, s * seg,
-                         min(B, s * seg + seg))
+        p, q = _run_sums(x[a, c, b0:b1], dy[a, c, b0:b1],
+                         _relu_record(ys, (a, c, slice(b0, b1)), (a * C + c) * B + b0, b1 - b0,
+                                      0), m, shift)
         sd += p
         sx += q
     return sd, sx
@@ -321,8 +405,10 @@ def backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows
                            (B + seg - 1) // seg, None)
     sum_dy[c], sum_dy_xmu[c] = sd, sx
     _train_coefficients(sd, sx, invstd[c], weight[c], count, m, coef, c)
+    C, ys = x.shape[1], _with_scratch(y, B)
     for r in range(A):
-        _map(x[r, c], dy[r, c], take(y, (r, c)), None, out[r, c], take(aux, (r, c)),
+        _map(x[r, c], dy[r, c], _relu_record(ys, (r, c), (r * C + c) * B, B, 0), None,
+             out[r, c], take(aux, (r, c)),
              coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c], coef[MEAN, c])
 
 
@@ -359,10 +445,11 @@ def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
     r, b0 = item // n_segs, (item % n_segs) * seg
     a, g = r // n_groups, r % n_groups
     c0, c1, b1 = g * group, min(C, g * group + group), min(B, b0 + seg)
-    part = _with_scratch(aux, (c1 - c0) * (b1 - b0))
+    part, ys = _with_scratch(aux, (c1 - c0) * (b1 - b0)), _with_scratch(y, b1 - b0)
     for c in range(c0, c1):
         run = (a, c, slice(b0, b1))
-        _map(take(x, run), take(dy, run), take(y, run), take(z, run), out[run],
+        _map(take(x, run), take(dy, run),
+             _relu_record(ys, run, (a * C + c) * B + b0, b1 - b0, 0), take(z, run), out[run],
              _mask_part(part, run, (c - c0) * (b1 - b0)), coef[SCALE, c], coef[PROJ, c],
              coef[GRAD_MEAN, c], coef[MEAN, c])
     _flush(part, (a * C + c0) * B + b0, (c1 - c0) * (b1 - b0))
@@ -427,9 +514,11 @@ def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
     L, w = out.shape[1], c1 - c0
     whole = w == L  # the tile is contiguous in memory
     part = _with_scratch(aux, (r1 - r0) * w if whole else w)
+    ys = _with_scratch(y, w)
     for r in range(r0, r1):
         lanes = (r, slice(c0, c1))
-        _map(take(x, lanes), take(dy, lanes), take(y, lanes), take(z, lanes), out[lanes],
+        _map(take(x, lanes), take(dy, lanes), _relu_record(ys, lanes, r * L + c0, w, 0),
+             take(z, lanes), out[lanes],
              _mask_part(part, lanes, (r - r0) * w if whole else 0), scale, proj, shift, mean)
         if not whole:
             _flush(part, r * L + c0, w)
