@@ -326,8 +326,9 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
 
     layout = plan(input, grad_out, axis, resolve_num_threads(threads))
     with kernels.region(layout.kernel):
-        y: kernels.Aux = (None if relu is None else layout.canonical(relu)) if relu_bits is None \
-            else (relu_bits, 0)
+        y: kernels.Aux = None if relu is None else layout.canonical(relu)
+        if relu_bits is not None:  # flat index 0: x's first element, in the mask's order
+            y = (relu_bits, 0)
         side_kernel: Optional[Array] = None
         side: Optional[Array] = None
         if grad_side:

@@ -72,8 +72,8 @@ _NO_REGION = contextlib.nullcontext()
 
 
 # the elementwise pass's second output: an array like out, the forward's mask bits with the
-# flat index of out's first element, or None; also the backward's ReLU record y (the forward's
-# output, its mask bytes, or its mask bits so)
+# flat index of out's first element, or None; the backward's ReLU record y likewise (the
+# forward's output, its mask bytes, or its mask bits with x's flat index)
 Aux = Union[np.ndarray, Tuple[np.ndarray, int], None]
 
 _scratch = threading.local()
@@ -157,8 +157,7 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
             launcher(plan.serial, n).reduce_short(
                 n, x.reshape(A, C * B), dy.reshape(A, C * B),
                 y if y is None or isinstance(y, tuple) else y.reshape(A, C * B), B, mean, shift,
-                plan.rows,
-                plan.group, partial)
+                plan.rows, plan.group, partial)
         else:
             n = partial.shape[0] * partial.shape[1] * C
             launcher(plan.serial, n).reduce_runs(n, x, dy, y, mean, shift, plan.rows,
