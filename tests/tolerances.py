@@ -18,8 +18,9 @@ The numbers are per dtype of the result being judged: float64 results are judged
 accuracy, float32 results (including float32 grad_weight / grad_bias of half inputs, and the
 float32 save_mean / save_invstd of half inputs) at float32 accuracy, half results at half
 accuracy; sums over half inputs at most at float32 accuracy, as they are accumulated in float32
-blocks, even where their dtype is float64 (conftest.sum_dtype). ``factor`` widens the bound when two approximate results are compared with each
-other (bngrad vs PyTorch: each may be off by one tolerance, so ``factor=2``).
+blocks, even where their dtype is float64 (conftest.sum_dtype). ``factor`` widens the bound
+when two approximate results are compared with each other (bngrad vs PyTorch: each may be off
+by one tolerance, so ``factor=2``).
 
 NaN must be NaN in the same places, and infinities must match exactly.
 """
