@@ -141,13 +141,18 @@ def _atomic_or(typingctx, array, index, value):
 # slice): 32 (8) bytes become 4 (1) bytes of bits by one vector compare and bitcast (x86: a
 # move-mask).
 
+def _pointers(context, builder, signature, args):
+    """(&a[i], &b[j]) for an intrinsic's arguments (a, i, b, j), a and b 1-D arrays."""
+    a_type, _, b_type, _ = signature.args
+    a = context.make_array(a_type)(context, builder, args[0])
+    b = context.make_array(b_type)(context, builder, args[2])
+    return (cgutils.get_item_pointer(context, builder, a_type, a, [args[1]]),
+            cgutils.get_item_pointer(context, builder, b_type, b, [args[3]]))
+
+
 def _pack_codegen(lanes):
     def codegen(context, builder, signature, args):
-        mask_type, _, bits_type, _ = signature.args
-        mask = context.make_array(mask_type)(context, builder, args[0])
-        bits = context.make_array(bits_type)(context, builder, args[2])
-        src = cgutils.get_item_pointer(context, builder, mask_type, mask, [args[1]])
-        dst = cgutils.get_item_pointer(context, builder, bits_type, bits, [args[3]])
+        src, dst = _pointers(context, builder, signature, args)
         vector = ir.VectorType(ir.IntType(8), lanes)
         loaded = builder.load(builder.bitcast(src, vector.as_pointer()), align=1)
         word = builder.bitcast(builder.icmp_unsigned("!=", loaded, ir.Constant(vector, None)),
@@ -246,11 +251,7 @@ def _flush_impl(aux, start, n):
 
 def _unpack_codegen(lanes):
     def codegen(context, builder, signature, args):
-        bits_type, _, mask_type, _ = signature.args
-        bits = context.make_array(bits_type)(context, builder, args[0])
-        mask = context.make_array(mask_type)(context, builder, args[2])
-        src = cgutils.get_item_pointer(context, builder, bits_type, bits, [args[1]])
-        dst = cgutils.get_item_pointer(context, builder, mask_type, mask, [args[3]])
+        src, dst = _pointers(context, builder, signature, args)
         i8, n_bytes = ir.IntType(8), lanes // 8
         loaded = builder.load(builder.bitcast(src, ir.VectorType(i8, n_bytes).as_pointer()),
                               align=1)
