@@ -156,3 +156,18 @@ def test_degenerate_channels_at_least_as_accurate_as_pytorch(variant, count):
         f"mean normalized error {ours.mean():.3g} vs PyTorch's {theirs.mean():.3g}; "
         f"worse in {np.count_nonzero(ours > theirs)} of {N_CASES} cases, "
         f"worst {ours.max():.3g} vs {theirs.max():.3g}")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", [(16, 4, 2048), (32768, 4)], ids=["chfirst", "2d"])
+def test_half_moments_when_the_first_element_is_far_out(dtype, shape):
+    """The variance sums d = x - s with s each channel's first element: where that element
+    lies 1000 standard deviations from the mean, var is the difference of two sums ~1e6 times
+    larger than itself, so their terms must be float64's (float32 terms, as the backward's sums
+    of halves use, leave var ~1e-3 off; kernels._ops._narrow)."""
+    x = np.random.default_rng(3).standard_normal(shape).astype(dtype)
+    x[(0, slice(None), 0) if len(shape) == 3 else (0, slice(None))] = 1000
+    mean, var = bngrad.batch_norm_moments(x)
+    expected_mean, expected_var = reference.batch_norm_moments(x)
+    np.testing.assert_allclose(mean, expected_mean, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(var, expected_var, rtol=1e-9)

@@ -3,15 +3,12 @@ tracing by torch.compile and torch.export."""
 
 from __future__ import annotations
 
-import ml_dtypes
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import bngrad.torch as bt  # noqa: E402
-from conftest import sum_dtype  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 
 
@@ -67,9 +64,8 @@ def test_opcheck_reduce_elemt_moments():
     x, dy = _t((4, 3, 5), torch.bfloat16), _t((4, 3, 5), torch.bfloat16, seed=1)
     mean, var = torch.ops.bngrad.batch_norm_moments(x)
     assert mean.dtype == torch.float64
-    judged = sum_dtype(np.float64, ml_dtypes.bfloat16)  # sums of halves: float32 blocks
-    assert_close(mean.numpy(), x.double().mean((0, 2)).numpy(), judged, what="mean")
-    assert_close(var.numpy(), x.double().var((0, 2), unbiased=False).numpy(), judged, what="var")
+    assert_close(mean.numpy(), x.double().mean((0, 2)).numpy(), what="mean")
+    assert_close(var.numpy(), x.double().var((0, 2), unbiased=False).numpy(), what="var")
     mean32, invstd = mean.float(), torch.rsqrt(var + 1e-5).float()
     w = _t(3, seed=2)
     torch.library.opcheck(torch.ops.bngrad.batch_norm_moments.default, (x,))

@@ -121,8 +121,9 @@ def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
 
 def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
            shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
-    """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (default 0);
-    with dy = x and shift = mean, the second pass of the variance. Given ``y`` (the forward's
+    """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (None: 0,
+    and the backward's sums of half data go through float32 blocks, kernels._ops); with dy = x
+    and shift = mean, the second pass of the variance. Given ``y`` (the forward's
     output, mask bytes, or mask bits with the flat index of x's first element), dy is first
     masked by the ReLU it records."""
     C = x.shape[1]
@@ -135,7 +136,7 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
             assert px is not None
             M, L = px.shape
             lane_mean = _spread(mean, piece)
-            lane_shift = (lane_mean if shift is mean else np.zeros(L) if shift is None
+            lane_shift = (lane_mean if shift is mean else None if shift is None
                           else _spread(shift, piece))
             partial, buffer = _partial_sums((_ceil_div(M, piece.rows), 2, L))
             try:
@@ -148,8 +149,6 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
                 _return_partial_sums(buffer)
         return sums
     A, _, B = x.shape
-    if shift is None:
-        shift = np.zeros(C)
     partial, buffer = _partial_sums((plan.blocks, plan.segments, C, 2))
     try:
         if plan.path == "short":  # never fused, so its own order

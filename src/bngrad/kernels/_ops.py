@@ -5,8 +5,9 @@ as if written in place, with the caller's fastmath flags, and stay in Numba's di
 functions passed as arguments or made by closure factories do not). An operand that is None
 selects a formula when the kernel is compiled, never at run time:
 
-- ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64 (half
-  data: float32, summed in blocks of ``block_terms`` before the float64 total);
+- ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64 (the
+  backward's sums of half data, without a shift: float32, summed in blocks of
+  ``block_terms`` before the float64 total);
 - ``elementwise``: x and dy: training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ)*SCALE``;
   dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``, plus
   the side input ``z`` where one is given (bngrad.fused), added to the batch-norm value rounded
@@ -121,50 +122,63 @@ def _grad(dy, y):
 
 
 def accumulate(dy: Any, x: Any, y: Any, mean: Any, shift: Any) -> Any:
-    """(dy', dy'*(x - mean)), dy' = dy - shift: one element's terms of the sums (jitted), in
-    float64, or for half data in float32 (``block_terms``: summed in float32 in short blocks)."""
+    """(dy', dy'*(x - mean)), dy' = dy - shift (None: 0): one element's terms of the sums
+    (jitted), in float64; for half data without a shift (the backward's sums) in float32, to
+    be summed in short float32 blocks (``block_terms``)."""
     raise NotImplementedError
 
 
 @overload(accumulate, inline="always")
 def _accumulate(dy, x, y, mean, shift):
-    if x not in (types.int16, types.uint16):
+    if _narrow(x, shift):
+        def narrow(dy, x, y, mean, shift):
+            # Half data are exact in float32, and so is their difference from a float32
+            # number near them; the mean (float64) is split into a float32 head and tail, and
+            # the tail is taken off by an fma (one rounding, and no fastmath flags, so that
+            # the reassociating loops cannot fold it into the head): each term is float64's
+            # rounded once to float32.
+            mh = np.float32(mean)
+            d = grad(dy, y)
+            return d, d * _fma(_MINUS_ONE, np.float32(mean - np.float64(mh)), to_float(x) - mh)
+        return narrow
+    if isinstance(shift, types.NoneType):
         def wide(dy, x, y, mean, shift):
-            d = np.float64(grad(dy, y)) - shift
+            d = np.float64(grad(dy, y))
             return d, d * (np.float64(to_float(x)) - mean)
         return wide
 
-    def narrow(dy, x, y, mean, shift):
-        # Half data are exact in float32, and so is their difference from a float32 number
-        # near them; mean and shift (float64) are split into a float32 head and tail, and the
-        # tail is taken off by an fma (one rounding, and no fastmath flags, so that the
-        # reassociating loops cannot fold it into the head): each term is as accurate as in
-        # float64, rounded once to float32.
-        mh, sh = np.float32(mean), np.float32(shift)
-        ml, sl = np.float32(mean - np.float64(mh)), np.float32(shift - np.float64(sh))
-        d = _fma(_MINUS_ONE, sl, grad(dy, y) - sh)
-        return d, d * _fma(_MINUS_ONE, ml, to_float(x) - mh)
-    return narrow
+    def wide_shifted(dy, x, y, mean, shift):
+        d = np.float64(grad(dy, y)) - shift
+        return d, d * (np.float64(to_float(x)) - mean)
+    return wide_shifted
+
+
+def _narrow(x: Any, shift: Any) -> bool:
+    """Whether the terms are float32: half data (int16/uint16 bits) and no shift. The moments
+    (dy = x, a shift) stay float64: with the shift a channel's first element, their variance
+    is a difference of two large sums, which float32 terms would leave ~1e-3 off where that
+    element lies 1000 standard deviations out (tests/test_numerics.py)."""
+    return x in (types.int16, types.uint16) and isinstance(shift, types.NoneType)
 
 
 _MINUS_ONE = np.float32(-1.0)
 
 
-def block_terms(x: Any) -> Any:
+def block_terms(x: Any, shift: Any) -> Any:
     """(block, zero): how many elements' terms (accumulate) are summed, starting from
     ``zero``, before the sum is added to the float64 total, for data array ``x`` (jitted).
-    Half data: 256 in float32, which vectorises at full width (float64 sums made halves'
-    reductions compute-bound), the error of a block's sum within ~8 float32 roundings
-    (8 terms per vector lane) of its terms' magnitude, far below the data's own rounding;
-    other data: all of them, in float64."""
+    Half data without a shift: 256 in float32, which vectorises at full width (float64 sums
+    made halves' reductions compute-bound), the error of a block's sum within ~8 float32
+    roundings (8 terms per vector lane) of its terms' magnitude, far below the data's own
+    rounding; otherwise: all of them, in float64."""
     raise NotImplementedError
 
 
 @overload(block_terms, inline="always")
-def _block_terms(x):
-    if x.dtype in (types.int16, types.uint16):
-        return lambda x: (256, np.float32(0.0))
-    return lambda x: (1 << 62, 0.0)
+def _block_terms(x, shift):
+    if _narrow(x.dtype, shift):
+        return lambda x, shift: (256, np.float32(0.0))
+    return lambda x, shift: (1 << 62, 0.0)
 
 
 def elementwise(x: Any, dy: Any, y: Any, z: Any, scale: Any, proj: Any, shift: Any,

@@ -8,9 +8,10 @@ the end) cannot change the result. The per-element maths is kernels._ops'.
 
 Determinism: reduction tiles have bounds that depend on the shape only, each is summed in a
 fixed order, and the tile sums are added in a fixed order; the fused and two-phase paths share
-``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64 (half data:
-float32 blocks of at most 256 terms first, kernels._ops.block_terms); elementwise arithmetic
-runs in ``coef``'s dtype (float64 for float64 data, float32 otherwise).
+``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64 (the
+backward's sums of half data, which have no shift: float32 blocks of at most 256 terms first,
+kernels._ops.block_terms); elementwise arithmetic runs in ``coef``'s dtype (float64 for
+float64 data, float32 otherwise).
 
 Operands of the fused variants (bngrad.fused; None compiles them away, kernels._ops): ``y``,
 the backward's ReLU record (the forward output, or mask bytes as uint8), read beside dy by
@@ -53,7 +54,7 @@ def _run_sums(xr, dr, yr, m, shift):
     """(sum dy', sum dy'*(x - m)) over 1-D xr, dr (yr: their ReLU record or None), in float64
     (halves: in blocks)."""
     sum_dy = sum_dy_xmu = 0.0
-    block, zero = block_terms(xr)
+    block, zero = block_terms(xr, shift)
     for k in range(0, dr.shape[0], block):  # one block unless the data are halves (_ops)
         xb, db, yb = xr[k:k + block], dr[k:k + block], take(yr, slice(k, k + block))
         bd = bx = zero
@@ -69,7 +70,7 @@ def _run_sums(xr, dr, yr, m, shift):
 @njit(**_JIT)
 def _accumulate_row(x, d, y, mean, shift, psd, psx):
     for c in range(d.shape[0]):
-        p, q = accumulate(d[c], x[c], take(y, c), mean[c], shift[c])
+        p, q = accumulate(d[c], x[c], take(y, c), mean[c], take(shift, c))
         psd[c] += p
         psx[c] += q
 
@@ -77,7 +78,7 @@ def _accumulate_row(x, d, y, mean, shift, psd, psx):
 @njit(**_JIT)
 def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, y0, y1, y2, y3, mean, shift, psd, psx):
     for c in range(d0.shape[0]):
-        m, s = mean[c], shift[c]
+        m, s = mean[c], take(shift, c)
         p0, q0 = accumulate(d0[c], x0[c], take(y0, c), m, s)
         p1, q1 = accumulate(d1[c], x1[c], take(y1, c), m, s)
         p2, q2 = accumulate(d2[c], x2[c], take(y2, c), m, s)
@@ -385,8 +386,8 @@ def reduce_runs_item(item, x, dy, y, mean, shift, rows, seg, partial):
     C = x.shape[1]
     t = item // C
     j, s, c = t // partial.shape[1], t % partial.shape[1], item % C
-    partial[j, s, c, 0], partial[j, s, c, 1] = _tile_sums(x, dy, y, mean[c], shift[c], c, j, s,
-                                                          rows, seg)
+    partial[j, s, c, 0], partial[j, s, c, 1] = _tile_sums(x, dy, y, mean[c], take(shift, c), c,
+                                                          j, s, rows, seg)
 
 
 @njit(**_JIT)
@@ -402,7 +403,7 @@ def backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows
     """Training backward of channel c: reduce it, then apply while it is in cache."""
     A, _, B = x.shape
     m = mean[c]
-    sd, sx = _channel_sums(x, dy, y, m, 0.0, c, rows, seg, (A + rows - 1) // rows,
+    sd, sx = _channel_sums(x, dy, y, m, None, c, rows, seg, (A + rows - 1) // rows,
                            (B + seg - 1) // seg, None)
     sum_dy[c], sum_dy_xmu[c] = sd, sx
     _train_coefficients(sd, sx, invstd[c], weight[c], count, m, coef, c)
@@ -460,6 +461,24 @@ def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
 # per-run overhead and loop tails (49 = 32 + 17 scalar steps), so these items take a group of
 # channels, whose runs are contiguous in every row, as one row of lanes.
 
+def _lanes_of(values: Any, c0: Any, c1: Any, B: Any) -> Any:
+    """values[c] over channel c's B lanes, for channels c0..c1-1; None for None (jitted)."""
+    raise NotImplementedError
+
+
+@overload(_lanes_of, inline="always")
+def _lanes_of_impl(values, c0, c1, B):
+    if isinstance(values, types.NoneType):
+        return lambda values, c0, c1, B: None
+
+    def spread(values, c0, c1, B):
+        lanes = np.empty((c1 - c0) * B)
+        for c in range(c0, c1):
+            lanes[(c - c0) * B:(c - c0 + 1) * B] = values[c]
+        return lanes
+    return spread
+
+
 @njit(**_JIT)
 def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
     """partial[j, 0, c] = (sum dy', sum dy'*(x-mean)) over rows block j, for a group of
@@ -470,13 +489,9 @@ def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
     j, g = item // n_groups, item % n_groups
     c0, c1 = g * group, min(C, g * group + group)
     n = (c1 - c0) * B
-    m, s = np.empty(n), np.empty(n)
-    for c in range(c0, c1):
-        m[(c - c0) * B:(c - c0 + 1) * B] = mean[c]
-        s[(c - c0) * B:(c - c0 + 1) * B] = shift[c]
     psd, psx = np.zeros(n), np.zeros(n)
-    _accumulate_rows(x2, d2, y2, j * rows, min(A, j * rows + rows), c0 * B, c1 * B, m, s,
-                     psd, psx)
+    _accumulate_rows(x2, d2, y2, j * rows, min(A, j * rows + rows), c0 * B, c1 * B,
+                     _lanes_of(mean, c0, c1, B), _lanes_of(shift, c0, c1, B), psd, psx)
     for c in range(c0, c1):
         sd = sx = 0.0
         for i in range((c - c0) * B, (c - c0 + 1) * B):
@@ -502,7 +517,8 @@ def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
     psd, psx = partial[j, 0, c0:c1], partial[j, 1, c0:c1]
     psd[:] = 0.0
     psx[:] = 0.0
-    _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean[c0:c1], shift[c0:c1], psd, psx)
+    _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean[c0:c1], take(shift, slice(c0, c1)), psd,
+                     psx)
 
 
 @njit(**_JIT)
