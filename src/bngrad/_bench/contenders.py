@@ -70,14 +70,19 @@ def _set_threads(torch, threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _torch(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
-    torch, from_numpy = import_torch()
-    args = _backward_args(data, from_numpy)
+def _eager(fn: Callable, args: Sequence, threads: int) -> Callable[[], Any]:
+    """``fn(*args)`` on ``threads`` of PyTorch's threads (the torch contenders, eager or
+    compiled)."""
+    torch = import_torch()[0]
 
     def run():
         _set_threads(torch, threads)
-        return _aten_backward(*args)
+        return fn(*args)
     return run
+
+
+def _torch(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
+    return _eager(_aten_backward, _backward_args(data, import_torch()[1]), threads)
 
 
 def _reference(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
@@ -151,13 +156,7 @@ def _sequence_args(data: CaseData, from_numpy) -> tuple:
 
 
 def _torch_sequence(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
-    torch, from_numpy = import_torch()
-    args = _sequence_args(data, from_numpy)
-
-    def run():
-        _set_threads(torch, threads)
-        return _aten_sequence(*args)
-    return run
+    return _eager(_aten_sequence, _sequence_args(data, import_torch()[1]), threads)
 
 
 # --- torch.compile (optional): the torch contender's ops, compiled by inductor ---------------
@@ -204,11 +203,7 @@ def compile_contender(fn: Callable, args: Sequence, threads: int) -> Callable[[]
     except Exception as exc:  # never let one case's compiler failure stop the whole run
         raise Unavailable(f"torch.compile failed: {type(exc).__name__}: {_first_line(exc)}"
                           ) from None
-
-    def run():
-        _set_threads(torch, threads)
-        return compiled(*args)
-    return run
+    return _eager(compiled, args, threads)
 
 
 def _torch_compile(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
