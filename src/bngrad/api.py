@@ -71,10 +71,10 @@ def _moments(layout: Plan, input: Array, axis: int, count: int) -> tuple[Array, 
     x = layout.x
     if input.dtype == np.float64:
         zeros = np.zeros(input.shape[axis])
-        shift = kernels.reduce(layout.kernel, x, x, zeros, zeros)[0] / count
+        shift = kernels.reduce(layout.kernel, x, None, zeros)[0] / count
     else:
         shift = _first_elements(input, axis)
-    sum_d, sum_d2 = kernels.reduce(layout.kernel, x, x, shift, shift)
+    sum_d, sum_d2 = kernels.reduce(layout.kernel, x, None, shift)
     # mean = shift + sum_d / count, var = max(sum_d2 - sum_d * sum_d / count, 0) / count
     return kernels.moments(shift, sum_d, sum_d2, count)
 

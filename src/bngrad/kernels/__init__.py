@@ -119,19 +119,21 @@ def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
     return values
 
 
-def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
+def reduce(plan: KernelPlan, x: np.ndarray, dy: Optional[np.ndarray], mean: np.ndarray,
            shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (None: 0,
-    and the backward's sums of half data go through float32 blocks, kernels._ops); with dy = x
-    and shift = mean, the second pass of the variance. Given ``y`` (the forward's
-    output, mask bytes, or mask bits with the flat index of x's first element), dy is first
-    masked by the ReLU it records."""
+    and the backward's sums of half data go through float32 blocks, kernels._ops). ``dy``
+    None: the moments' sums (sum d, sum d**2), d = x - mean, the values of dy = x and shift =
+    mean in fewer operations. Given ``y`` (the forward's output, mask bytes, or mask bits
+    with the flat index of x's first element), dy is first masked by the ReLU it records."""
+    if dy is None:
+        shift = mean
     C = x.shape[1]
     sums = (np.zeros(C), np.zeros(C))
     if plan.path == "lanes":
         for piece in plan.reduce_pieces:
             px = _piece_view(x, piece)
-            pdy = px if dy is x else _piece_view(dy, piece)
+            pdy = _piece_view(dy, piece)
             py = _piece_aux(y, piece, C)
             assert px is not None
             M, L = px.shape
@@ -154,7 +156,7 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, mean: np.ndarray,
         if plan.path == "short":  # never fused, so its own order
             n = plan.blocks * _ceil_div(C, plan.group)
             launcher(plan.serial, n).reduce_short(
-                n, x.reshape(A, C * B), dy.reshape(A, C * B),
+                n, x.reshape(A, C * B), None if dy is None else dy.reshape(A, C * B),
                 y if y is None or isinstance(y, tuple) else y.reshape(A, C * B), B, mean, shift,
                 plan.rows, plan.group, partial)
         else:

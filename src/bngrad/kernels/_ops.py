@@ -7,7 +7,7 @@ selects a formula when the kernel is compiled, never at run time:
 
 - ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64 (the
   backward's sums of half data, without a shift: float32, summed in blocks of
-  ``block_terms`` before the float64 total);
+  ``block_terms`` before the float64 total; the moments' ``d`` and ``d*d`` where dy is None);
 - ``elementwise``: x and dy: training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ)*SCALE``;
   dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``, plus
   the side input ``z`` where one is given (bngrad.fused), added to the batch-norm value rounded
@@ -124,12 +124,19 @@ def _grad(dy, y):
 def accumulate(dy: Any, x: Any, y: Any, mean: Any, shift: Any) -> Any:
     """(dy', dy'*(x - mean)), dy' = dy - shift (None: 0): one element's terms of the sums
     (jitted), in float64; for half data without a shift (the backward's sums) in float32, to
-    be summed in short float32 blocks (``block_terms``)."""
+    be summed in short float32 blocks (``block_terms``). ``dy`` None: the moments' terms, dy
+    being x and mean the shift, (d, d*d) with d = x - shift: the same values, from one load
+    and one subtraction instead of two."""
     raise NotImplementedError
 
 
 @overload(accumulate, inline="always")
 def _accumulate(dy, x, y, mean, shift):
+    if isinstance(dy, types.NoneType):  # the moments' sums: dy is x and mean is shift
+        def moments(dy, x, y, mean, shift):
+            d = np.float64(to_float(x)) - shift
+            return d, d * d
+        return moments
     if _narrow(x, shift):
         def narrow(dy, x, y, mean, shift):
             # Half data are exact in float32, and so is their difference from a float32

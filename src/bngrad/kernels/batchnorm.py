@@ -55,11 +55,11 @@ def _run_sums(xr, dr, yr, m, shift):
     (halves: in blocks)."""
     sum_dy = sum_dy_xmu = 0.0
     block, zero = block_terms(xr, shift)
-    for k in range(0, dr.shape[0], block):  # one block unless the data are halves (_ops)
-        xb, db, yb = xr[k:k + block], dr[k:k + block], take(yr, slice(k, k + block))
+    for k in range(0, xr.shape[0], block):  # one block unless the data are halves (_ops)
+        xb, db, yb = xr[k:k + block], take(dr, slice(k, k + block)), take(yr, slice(k, k + block))
         bd = bx = zero
-        for i in range(db.shape[0]):
-            p, q = accumulate(db[i], xb[i], take(yb, i), m, shift)
+        for i in range(xb.shape[0]):
+            p, q = accumulate(take(db, i), xb[i], take(yb, i), m, shift)
             bd += p
             bx += q
         sum_dy += bd
@@ -67,22 +67,22 @@ def _run_sums(xr, dr, yr, m, shift):
     return sum_dy, sum_dy_xmu
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _accumulate_row(x, d, y, mean, shift, psd, psx):
-    for c in range(d.shape[0]):
-        p, q = accumulate(d[c], x[c], take(y, c), mean[c], take(shift, c))
+    for c in range(x.shape[0]):
+        p, q = accumulate(take(d, c), x[c], take(y, c), mean[c], take(shift, c))
         psd[c] += p
         psx[c] += q
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, y0, y1, y2, y3, mean, shift, psd, psx):
-    for c in range(d0.shape[0]):
+    for c in range(x0.shape[0]):
         m, s = mean[c], take(shift, c)
-        p0, q0 = accumulate(d0[c], x0[c], take(y0, c), m, s)
-        p1, q1 = accumulate(d1[c], x1[c], take(y1, c), m, s)
-        p2, q2 = accumulate(d2[c], x2[c], take(y2, c), m, s)
-        p3, q3 = accumulate(d3[c], x3[c], take(y3, c), m, s)
+        p0, q0 = accumulate(take(d0, c), x0[c], take(y0, c), m, s)
+        p1, q1 = accumulate(take(d1, c), x1[c], take(y1, c), m, s)
+        p2, q2 = accumulate(take(d2, c), x2[c], take(y2, c), m, s)
+        p3, q3 = accumulate(take(d3, c), x3[c], take(y3, c), m, s)
         psd[c] += (p0 + p1) + (p2 + p3)  # half data: a block of four float32 terms
         psx[c] += (q0 + q1) + (q2 + q3)
 
@@ -95,7 +95,8 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
     r = r0
     while r + 4 <= r1:  # four rows per pass over the partial sums: a quarter of the stores
         _accumulate_4_rows(x[r, c0:c1], x[r + 1, c0:c1], x[r + 2, c0:c1], x[r + 3, c0:c1],
-                           dy[r, c0:c1], dy[r + 1, c0:c1], dy[r + 2, c0:c1], dy[r + 3, c0:c1],
+                           take(dy, (r, slice(c0, c1))), take(dy, (r + 1, slice(c0, c1))),
+                           take(dy, (r + 2, slice(c0, c1))), take(dy, (r + 3, slice(c0, c1))),
                            _relu_record(ys, (r, slice(c0, c1)), r * L + c0, w, 0),
                            _relu_record(ys, (r + 1, slice(c0, c1)), (r + 1) * L + c0, w, w),
                            _relu_record(ys, (r + 2, slice(c0, c1)), (r + 2) * L + c0, w, 2 * w),
@@ -103,13 +104,13 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
                            mean, shift, psd, psx)
         r += 4
     while r < r1:
-        _accumulate_row(x[r, c0:c1], dy[r, c0:c1],
+        _accumulate_row(x[r, c0:c1], take(dy, (r, slice(c0, c1))),
                         _relu_record(ys, (r, slice(c0, c1)), r * L + c0, w, 0), mean, shift,
                         psd, psx)
         r += 1
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _map(x, dy, y, z, out, aux, scale, proj, shift, mean):
     """out = elementwise(x, dy, y, z), and aux (kernels._ops.finish), over 1-D slices that
     start at 0, so that LLVM vectorises (None: not an operand). Coefficients: one channel's
@@ -345,7 +346,7 @@ def _tile_sums(x, dy, y, m, shift, c, j, s, rows, seg):
     ys = _with_scratch(y, b1 - b0)
     sd = sx = 0.0
     for a in range(j * rows, min(A, j * rows + rows)):
-        p, q = _run_sums(x[a, c, b0:b1], dy[a, c, b0:b1],
+        p, q = _run_sums(x[a, c, b0:b1], take(dy, (a, c, slice(b0, b1))),
                          _relu_record(ys, (a, c, slice(b0, b1)), (a * C + c) * B + b0, b1 - b0,
                                       0), m, shift)
         sd += p
@@ -421,8 +422,8 @@ def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, m
     arithmetic as the two-phase reductions and bngrad.api's moments and normalize."""
     A, _, B = x.shape
     n_blocks, n_segs = (A + rows - 1) // rows, (B + seg - 1) // seg
-    s = _channel_sums(x, x, None, 0.0, 0.0, c, rows, seg, n_blocks, n_segs, None)[0] / count
-    sd, sx = _channel_sums(x, x, None, s, s, c, rows, seg, n_blocks, n_segs, None)
+    s = _channel_sums(x, None, None, 0.0, 0.0, c, rows, seg, n_blocks, n_segs, None)[0] / count
+    sd, sx = _channel_sums(x, None, None, s, s, c, rows, seg, n_blocks, n_segs, None)
     m = s + sd / count
     v = sx - sd * sd / count
     v = (0.0 if v < 0.0 else v) / count  # not max(): a NaN must stay NaN, as np.maximum's
