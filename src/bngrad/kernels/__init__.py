@@ -111,12 +111,14 @@ def _piece_view(a: Optional[np.ndarray], piece: LanePiece) -> Optional[np.ndarra
 
 
 def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
-    """Per-channel values (..., C) -> per-lane values (..., lanes)."""
-    if piece.spread == "repeat":
-        return np.repeat(values, piece.times, axis=-1)
-    if piece.spread == "tile":
-        return np.tile(values, (1,) * (values.ndim - 1) + (piece.times,))
-    return values
+    """Per-channel values (C,) or (rows, C) -> per-lane values (..., lanes) (one compiled call:
+    np.repeat and np.tile cost several microseconds each, on every small call)."""
+    if piece.spread is None:
+        return values
+    rows = values.reshape(-1, values.shape[-1])
+    lanes = np.empty((rows.shape[0], piece.lanes), values.dtype)
+    k.spread_lanes(rows, piece.spread == "repeat", piece.times, lanes)
+    return lanes.reshape(values.shape[:-1] + (piece.lanes,))
 
 
 def reduce(plan: KernelPlan, x: np.ndarray, dy: Optional[np.ndarray], mean: np.ndarray,

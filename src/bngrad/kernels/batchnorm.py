@@ -717,6 +717,21 @@ def combine_lanes(partial, repeat, times, sum_dy, sum_dy_xmu):
                 total[c] += lanes[c * times + t] if repeat else lanes[t * C + c]
 
 
+@njit(**_JIT)
+def spread_lanes(values, repeat, times, lanes):
+    """lanes[r, c*times + t] (repeat) or lanes[r, t*C + c] = values[r, c], for every t < times:
+    per-channel values spread over a piece's lanes (kernels._spread)."""
+    C = values.shape[1]
+    for r in range(values.shape[0]):
+        row, out = values[r], lanes[r]
+        if repeat:
+            for c in range(C):
+                out[c * times:(c + 1) * times] = row[c]
+        else:
+            for t in range(times):
+                out[t * C:(t + 1) * C] = row
+
+
 # The forward's per-channel statistics and coefficients in one call each (bngrad.api): a dozen
 # NumPy operations on (C,) vectors cost more than a small call's kernels. The same IEEE
 # operations in the same order as the NumPy expressions they replace (and as forward_fused_item),
