@@ -31,15 +31,17 @@ pytestmark = pytest.mark.skipif(not _gomp.available(),
 bt = pytest.importorskip("bngrad.torch")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CHILD_ENV = {**os.environ, "BNGRAD_TORCH_POOL": "torch"}  # the team is off by default
+CHILD_ENV = {**os.environ, "BNGRAD_TORCH_POOL": "torch"}  # the default, whatever the caller set
 
 
 @pytest.fixture(autouse=True)
 def torch_pool():
-    """These tests run bngrad.torch on PyTorch's team (off by default)."""
+    """These tests run bngrad.torch on PyTorch's team (the default), whatever the environment
+    set, and leave the pool as they found it."""
+    previous = "numba" if bt.kernel_pool().startswith("numba") else "torch"
     bt.set_kernel_pool("torch")
     yield
-    bt.set_kernel_pool("numba")
+    bt.set_kernel_pool(previous)
 
 
 def _bits(a):
@@ -171,10 +173,15 @@ def test_the_switch_and_the_default():
     with pytest.raises(ValueError, match="expected one of"):
         bt.set_kernel_pool("openmp")
     code = ("import os; os.environ.pop('BNGRAD_TORCH_POOL', None); import bngrad.torch as bt; "
+            "assert bt.kernel_pool() == 'torch', bt.kernel_pool()")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]  # the team unless told otherwise
+    code = ("import os; os.environ['BNGRAD_TORCH_POOL'] = 'numba'; import bngrad.torch as bt; "
             "assert bt.kernel_pool() == 'numba', bt.kernel_pool()")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]  # off unless asked for
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 def test_custom_ops_keep_their_schemas():

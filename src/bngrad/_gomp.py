@@ -15,9 +15,9 @@ it and says when to use it; kernels._gomp_launch has the launchers.
 - **The choice**: bngrad.torch's entry points run under :func:`on_torch_team` (a context
   variable: each Python thread and asyncio task has its own); ``kernels.launcher`` asks
   :func:`use_torch_team` at every parallel launch. NumPy callers never set it and keep
-  Numba's TBB pool, fork- and thread-safe as before. The team is **off by default** (its gain
-  was not shown on a shared machine, docs/torch.md): :func:`set_torch_pool` ``("torch")`` (or
-  the environment variable ``BNGRAD_TORCH_POOL=torch``) turns it on.
+  Numba's TBB pool, fork- and thread-safe as before. The team is the default (docs/torch.md,
+  "Threads", has the measurements): :func:`set_torch_pool` ``("numba")`` (or the environment
+  variable ``BNGRAD_TORCH_POOL=numba``) goes back to Numba's pool.
 - **Fork**: GNU OpenMP is not fork-safe: a team the parent had (PyTorch's or bngrad's) refers,
   in the child, to threads that no longer exist, and a parallel region there never ends
   (PyTorch's own operators hang the same way, which is why DataLoader workers set one
@@ -156,10 +156,11 @@ def parallel_address() -> int:
 
 POOLS = ("torch", "numba")
 _ENV = "BNGRAD_TORCH_POOL"
-# Off by default: on this project's shared 2-core machine the gain was not shown (a loaded
-# machine makes every OpenMP region wait for a descheduled team thread, TBB's workers do not;
-# docs/torch.md, "Threads").
-_DEFAULT = "numba"
+# On by default: in a training step every launch on Numba's pool wakes workers that PyTorch's
+# spinning team keeps from the cores; on PyTorch's team the step ratio improved on every model
+# and layout measured (docs/torch.md, "Threads"). On a machine loaded by other processes every
+# OpenMP region, PyTorch's own included, waits for a descheduled team thread: "numba" there.
+_DEFAULT = "torch"
 _pool = os.environ.get(_ENV, _DEFAULT).strip().lower() or _DEFAULT
 if _pool not in POOLS:  # a typo must not silently change the pool: say so once, use the default
     warnings.warn(f"{_ENV}={_pool!r} is not one of {POOLS}; using {_DEFAULT!r}", stacklevel=1)
@@ -169,9 +170,10 @@ _on_team: contextvars.ContextVar[bool] = contextvars.ContextVar("bngrad_torch_te
 
 
 def set_torch_pool(pool: str) -> None:
-    """Choose the pool bngrad.torch's kernels run on: ``"torch"`` (PyTorch's OpenMP team) or
-    ``"numba"`` (Numba's TBB pool, as the NumPy API; the default). The environment variable
-    ``BNGRAD_TORCH_POOL`` sets the pool at import. Results are bitwise the same either way.
+    """Choose the pool bngrad.torch's kernels run on: ``"torch"`` (PyTorch's OpenMP team, the
+    default) or ``"numba"`` (Numba's TBB pool, as the NumPy API's; better where other processes
+    keep the cores busy). The environment variable ``BNGRAD_TORCH_POOL`` sets the pool at
+    import. Results are bitwise the same either way.
 
     Raises
     ------
