@@ -38,7 +38,8 @@ def _memory_order(array: np.ndarray) -> Optional[tuple[int, ...]]:
 class Plan:
     """Canonical kernel views of input (and grad_out) and how to make outputs like them.
 
-    ``x``: (A, C, B) or (M, C), kernel element type; ``dy``: the same shape, or None;
+    ``x``: (A, C, B) or (M, C), kernel element type, or a :class:`RowCopies` of that shape;
+    ``dy``: the same, or None;
     ``order``: memory order of the logical axes used for x, dy and outputs; ``copied``: the
     arguments that had to be copied (shown by bngrad.explain); ``kernel``: the kernel path and
     tiles for x on the call's threads. (A plain class: one is made per call.)
@@ -46,7 +47,7 @@ class Plan:
 
     __slots__ = ("x", "dy", "kernel", "_layout")
 
-    def __init__(self, x: np.ndarray, dy: Optional[np.ndarray], layout: _Layout,
+    def __init__(self, x: kernels.Operand, dy: Optional[kernels.Operand], layout: _Layout,
                  kernel: kernels.KernelPlan) -> None:
         self.x, self.dy, self.kernel, self._layout = x, dy, kernel, layout
 
@@ -59,7 +60,7 @@ class Plan:
         return self._layout.copied
 
     @property
-    def grad(self) -> np.ndarray:
+    def grad(self) -> kernels.Operand:
         """``dy`` of a plan made with a grad_out (every backward's)."""
         if self.dy is None:
             raise TypeError("this plan was made without a grad_out")
@@ -115,21 +116,26 @@ def _block_swap(perm: tuple[int, ...]) -> Optional[tuple[int, int]]:
     return None
 
 
-def _dense_copy(array: np.ndarray, threads: int) -> np.ndarray:
-    """A C-contiguous copy of ``array``, its rows copied in parallel where all axes but the
-    last merge into one (crops and strided slices of a dense array); NumPy's serial copy
-    otherwise. ((32, 256, 56, 56) float32 cropped from width 64: 15.3 -> 9.6 ms.)"""
+def _dense_copy(array: np.ndarray, threads: int, out: Optional[np.ndarray] = None
+                ) -> np.ndarray:
+    """A C-contiguous copy of ``array`` (in ``out``, C-contiguous, if given), its rows copied in
+    parallel where all axes but the last merge into one (crops and strided slices of a dense
+    array); NumPy's serial copy otherwise. ((32, 256, 56, 56) float32 cropped from width 64:
+    15.3 -> 9.6 ms.)"""
+    if out is None:
+        out = np.empty(array.shape, array.dtype)
     try:
         rows = array.reshape(-1, array.shape[-1], copy=False)
     except ValueError:  # the axes do not merge (or the array is empty)
-        return np.ascontiguousarray(array)
-    out = np.empty(array.shape, array.dtype)
+        np.copyto(out, array)
+        return out
     kernels.copy_rows(as_kernel_array(rows), as_kernel_array(out).reshape(rows.shape), threads)
     return out
 
 
-def _in_order(array: np.ndarray, order: tuple[int, ...], threads: int) -> np.ndarray:
-    """A C-contiguous copy of ``array.transpose(order)``.
+def _in_order(array: np.ndarray, order: tuple[int, ...], threads: int,
+              out: Optional[np.ndarray] = None) -> np.ndarray:
+    """A C-contiguous copy of ``array.transpose(order)`` (in ``out``, if given).
 
     When array is dense in an order that is ``order`` with two blocks of axes swapped (grad_out
     channels-last while input is channels-first, or the reverse), the copy is a parallel tiled
@@ -138,12 +144,13 @@ def _in_order(array: np.ndarray, order: tuple[int, ...], threads: int) -> np.nda
     own = _memory_order(array)
     swap = None if own is None else _block_swap(tuple(own.index(axis) for axis in order))
     if swap is None:
-        return _dense_copy(array.transpose(order), threads)
+        return _dense_copy(array.transpose(order), threads, out)
     i, j = swap
     memory = array.transpose(own)
     source = memory.reshape(math.prod(memory.shape[:i]), math.prod(memory.shape[i:j]),
                             math.prod(memory.shape[j:]))
-    copy = np.empty(tuple(array.shape[axis] for axis in order), dtype=array.dtype)
+    copy = (np.empty(tuple(array.shape[axis] for axis in order), dtype=array.dtype)
+            if out is None else out)
     kernels.transpose_last_two(as_kernel_array(source),
                                as_kernel_array(copy).reshape(source.shape[0], source.shape[2],
                                                              source.shape[1]),
@@ -180,15 +187,53 @@ def _find_layout(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis
                    (A, C) if B == 1 else (A, C, B), tuple(copied))
 
 
+class RowCopies:
+    """Canonical rows of an array that is not dense in the kernels' order, copied a chunk at a
+    time (kernels.reduce and kernels.elementwise take one in place of the canonical array):
+    extra memory of one chunk instead of a whole copy.
+
+    ``rows(r0, r1)`` copies the indices of the first memory axis that hold canonical rows
+    r0..r1-1 (``unit`` rows each) into a buffer reused from chunk to chunk, and returns those
+    rows as a read-only C-contiguous array, the same values as the whole copy's rows.
+    """
+
+    def __init__(self, array: np.ndarray, order: tuple[int, ...], canonical: tuple[int, ...],
+                 threads: int) -> None:
+        self._array, self._order, self._threads = array, order, threads
+        self.shape = canonical
+        self.dtype = as_kernel_array(array[:0]).dtype
+        self.unit = canonical[0] // array.shape[order[0]]  # canonical rows per first index
+        self.row_bytes = array.itemsize * math.prod(canonical[1:])
+        self._buffer: Optional[np.ndarray] = None
+
+    def rows(self, r0: int, r1: int) -> np.ndarray:
+        first, unit = self._order[0], self.unit
+        s0, s1 = r0 // unit, -(-r1 // unit)
+        index = (slice(None),) * first + (slice(s0, s1),)
+        part = self._array[index]
+        n = part.size
+        if self._buffer is None or self._buffer.size < n:
+            self._buffer = np.empty(n, self._array.dtype)
+        memory_shape = tuple(part.shape[axis] for axis in self._order)
+        copy = _in_order(part, self._order, self._threads,
+                         self._buffer[:n].reshape(memory_shape))
+        rows = as_kernel_array(copy).reshape((-1,) + self.shape[1:])[r0 - s0 * unit:r1 - s0 * unit]
+        rows.flags.writeable = False
+        return rows
+
+
 # Layouts by (input's shape, strides and dtype, grad_out's strides, channel axis); bounded.
 _layouts: dict[tuple, _Layout] = {}
 
 
-def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, threads: int
-         ) -> Plan:
+def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, threads: int,
+         chunked: bool = False) -> Plan:
     """The canonical views of input (and grad_out, input's shape and dtype) for a call on
     ``threads`` threads (resolved: bngrad._threads.resolve_num_threads), copying what must be
-    copied (in parallel where that pays)."""
+    copied (in parallel where that pays). With ``chunked``, where a copy would be larger than
+    ``kernels.Config.copy_chunk_bytes`` the plan's x or dy is a :class:`RowCopies` instead,
+    copied a chunk at a time by the kernels' passes (callers that take it: those without the
+    fused operands)."""
     key = (input.shape, input.strides, input.dtype,
            None if grad_out is None else grad_out.strides, channel_axis)
     layout = _layouts.get(key)
@@ -197,6 +242,9 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
             _layouts.clear()
         layout = _layouts[key] = _find_layout(input, grad_out, channel_axis)
     copied = layout.copied
+    if (copied and chunked and input.nbytes > kernels.config().copy_chunk_bytes
+            and layout.order[0] != channel_axis):  # (chunks are of the first memory axis)
+        return _chunked_plan(input, grad_out, layout, threads)
     x = input.transpose(layout.order)
     if copied and copied[0] == "input":
         x = _dense_copy(x, threads)
@@ -213,4 +261,19 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
     # Numba compiles a kernel once more for each read-only operand, so writable and read-only
     # callers share one compiled kernel.
     x.flags.writeable = False
+    return Plan(x, dy, layout, kernels.plan(x, threads))
+
+
+def _chunked_plan(input: np.ndarray, grad_out: Optional[np.ndarray], layout: _Layout,
+                  threads: int) -> Plan:
+    """plan()'s result where what must be copied is copied a chunk at a time."""
+    def operand(array: np.ndarray, name: str) -> kernels.Operand:
+        if name in layout.copied:
+            return RowCopies(array, layout.order, layout.canonical, threads)
+        view = as_kernel_array(array.transpose(layout.order)).reshape(layout.canonical)
+        view.flags.writeable = False
+        return view
+
+    x = operand(input, "input")
+    dy = None if grad_out is None else operand(grad_out, "grad_out")
     return Plan(x, dy, layout, kernels.plan(x, threads))

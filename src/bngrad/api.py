@@ -114,7 +114,7 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     count = _count(input, axis)
     if count == 0:
         return np.full(n_channels, np.nan), np.full(n_channels, np.nan)
-    layout = plan(input, None, axis, resolve_num_threads(threads))
+    layout = plan(input, None, axis, resolve_num_threads(threads), chunked=True)
     with kernels.region(layout.kernel):
         return _moments(layout, input, axis, count)
 
@@ -199,7 +199,8 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     count = _count(input, axis)
 
     scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
-    layout = plan(input, None, axis, resolve_num_threads(threads))
+    layout = plan(input, None, axis, resolve_num_threads(threads),
+                  chunked=side_input is None and relu is None)
     with kernels.region(layout.kernel), np.errstate(invalid="ignore"):  # inf data: NaN, as torch
         out_kernel, output = layout.output(input.shape, input.dtype, out)
         z = None if side_input is None else layout.canonical(side_input)
@@ -324,7 +325,8 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     count = _count(input, axis)
     w = _f64(weight, n_channels, 1.0)
 
-    layout = plan(input, grad_out, axis, resolve_num_threads(threads))
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads),
+                  chunked=relu is None and relu_bits is None and not grad_side)
     with kernels.region(layout.kernel):
         y: kernels.Aux = None if relu is None else layout.canonical(relu)
         if relu_bits is not None:  # flat index 0: x's first element, in the mask's order
@@ -419,7 +421,7 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
     if input.size == 0:
         sum_dy, sum_dy_xmu = np.zeros(n_channels), np.zeros(n_channels)
     else:
-        layout = plan(input, grad_out, axis, resolve_num_threads(threads))
+        layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True)
         with kernels.region(layout.kernel):
             sum_dy, sum_dy_xmu = kernels.reduce(layout.kernel, layout.x, layout.grad,
                                                 mean.astype(np.float64))
@@ -466,7 +468,7 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     total = check.count(count)
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, grad_out)
-    layout = plan(input, grad_out, axis, resolve_num_threads(threads))
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True)
     with kernels.region(layout.kernel):
         grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         if input.size:
@@ -496,7 +498,9 @@ def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
     Returns
     -------
     str
-        Several lines, for printing. Copies that the plan needs are made to find it out.
+        Several lines, for printing. Copies that the plan needs are made to find it out
+        (those larger than ``kernels.Config.copy_chunk_bytes``, which the plain forward and
+        backward make a chunk of rows at a time, are not made: "in chunks").
     """
     if grad_out is None:
         input = check.data_array("input", input)
@@ -504,7 +508,9 @@ def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
     else:
         grad_out, input, axis = _data_pair(grad_out, input, channel_axis)
     threads = check.num_threads(num_threads)
-    layout = plan(input, grad_out, axis, resolve_num_threads(threads))
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True)
+    chunks = " (in chunks)" if not isinstance(layout.x, np.ndarray) or not isinstance(
+        layout.dy, (np.ndarray, type(None))) else ""
     return (f"input {input.shape} {input.dtype.name}, channel axis {axis}: memory order "
             f"{layout.order}, kernel view {layout.x.shape} {layout.x.dtype.name}, copied: "
-            f"{', '.join(layout.copied) or 'nothing'}\n{layout.kernel!r}")
+            f"{', '.join(layout.copied) or 'nothing'}{chunks}\n{layout.kernel!r}")

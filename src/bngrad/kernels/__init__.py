@@ -19,23 +19,24 @@ import contextlib
 import math
 import threading
 import types
-from typing import Any, ContextManager, Optional, Tuple, Union
+from typing import Any, ContextManager, Iterator, Optional, Protocol, Tuple, Union
 
 import numpy as np
 
 from .. import _gomp
-from . import _gomp_launch
+from . import _gomp_launch, _plan
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
 from .._threads import parallel_region
-from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, forced_path, override, plan,
-                    runs_serial)
+from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, config, forced_path, override,
+                    plan, runs_serial)
 
 __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
-           "as_kernel_array", "backward_train", "compute_dtype", "copy_rows", "elementwise",
-           "forced_path", "forward_train", "moments", "normalize_coefficients", "override", "plan",
-           "reduce", "train_coefficients", "transpose_last_two"]
+           "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
+           "copy_rows", "elementwise", "forced_path", "forward_train", "moments",
+           "normalize_coefficients", "override", "plan", "reduce", "train_coefficients",
+           "transpose_last_two"]
 
 # Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
 # of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them in parallel (the
@@ -98,16 +99,58 @@ def _return_partial_sums(buffer: np.ndarray) -> None:
     _scratch.partial = buffer
 
 
+class RowSource(Protocol):
+    """Canonical rows made on demand (bngrad._layout.RowCopies): x or dy where a whole copy
+    would be needed. ``rows(r0, r1)``: rows r0..r1-1, C-contiguous, read-only, valid until the
+    next call; ``row_bytes``: what a row costs to make; ``unit``: rows are made in whole units
+    of this many (a chunk that starts or ends inside one makes all of it)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    row_bytes: int
+    unit: int  # rows(r0, r1) copies whole units of this many rows
+
+    def rows(self, r0: int, r1: int) -> np.ndarray: ...
+
+
+# x and dy: canonical arrays, or sources of their rows. The passes take a source a chunk of
+# rows at a time (_row_ranges); the fused operands (y, z, aux) come only with arrays.
+Operand = Union[np.ndarray, RowSource]
+
+
+def _rows(a: Optional[Operand], r0: int, r1: int) -> Optional[np.ndarray]:
+    if a is None:
+        return None
+    return a[r0:r1] if isinstance(a, np.ndarray) else a.rows(r0, r1)
+
+
+def _row_ranges(start: int, stop: int, align: int, *operands: Optional[Operand]
+                ) -> Iterator[tuple[int, int]]:
+    """Rows start..stop-1 in one range, or, where an operand is a RowSource, in chunks of a
+    multiple of ``align`` rows (a reduction's row blocks, so that every block and every sum
+    is the whole array's) making at most Config.copy_chunk_bytes of rows each (or one block);
+    of whole units of the sources (which they copy whole) where such chunks fit the budget."""
+    sources = [a for a in operands if a is not None and not isinstance(a, np.ndarray)]
+    if not sources:
+        yield start, stop
+        return
+    budget, row_bytes = config().copy_chunk_bytes, sum(a.row_bytes for a in sources)
+    whole_units = math.lcm(align, *(a.unit for a in sources))
+    if whole_units * row_bytes <= budget:
+        align = whole_units
+    step = max(1, budget // (row_bytes * align)) * align
+    for r0 in range(start, stop, step):
+        yield r0, min(stop, r0 + step)
+
+
 # ---------------------------------------------------------------------------------------------
 # rows of lanes: 2-D views of each piece, per-channel values spread over its lanes
 
-def _piece_view(a: Optional[np.ndarray], piece: LanePiece) -> Optional[np.ndarray]:
-    if a is None:
-        return None
-    if piece.spread == "repeat":
-        return a.reshape(a.shape[0], piece.lanes)
-    rows = a[piece.start:piece.stop]
-    return rows if piece.spread is None else rows.reshape(-1, piece.lanes)
+def _piece_view(rows: Optional[np.ndarray], piece: LanePiece) -> Optional[np.ndarray]:
+    """Rows of a piece (all of them, or a chunk of them) as the piece's rows of lanes."""
+    if rows is None or piece.spread is None:
+        return rows
+    return rows.reshape(-1, piece.lanes)
 
 
 def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
@@ -121,32 +164,37 @@ def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
     return lanes.reshape(values.shape[:-1] + (piece.lanes,))
 
 
-def reduce(plan: KernelPlan, x: np.ndarray, dy: Optional[np.ndarray], mean: np.ndarray,
+def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray,
            shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (None: 0,
     and the backward's sums of half data go through float32 blocks, kernels._ops). ``dy``
     None: the moments' sums (sum d, sum d**2), d = x - mean, the values of dy = x and shift =
     mean in fewer operations. Given ``y`` (the forward's output, mask bytes, or mask bits
-    with the flat index of x's first element), dy is first masked by the ReLU it records."""
+    with the flat index of x's first element), dy is first masked by the ReLU it records.
+    Sources of rows give the bits of the arrays they stand for (chunks of whole row blocks)."""
     if dy is None:
         shift = mean
     C = x.shape[1]
     sums = (np.zeros(C), np.zeros(C))
     if plan.path == "lanes":
         for piece in plan.reduce_pieces:
-            px = _piece_view(x, piece)
-            pdy = _piece_view(dy, piece)
-            py = _piece_aux(y, piece, C)
-            assert px is not None
-            M, L = px.shape
+            L = piece.lanes
+            block = piece.rows * (piece.times if piece.spread == "tile" else 1)  # x's rows
             lane_mean = _spread(mean, piece)
             lane_shift = (lane_mean if shift is mean else None if shift is None
                           else _spread(shift, piece))
-            partial, buffer = _partial_sums((_ceil_div(M, piece.rows), 2, L))
+            py = _piece_aux(y, piece, C)
+            partial, buffer = _partial_sums((_ceil_div(piece.stop - piece.start, block), 2, L))
             try:
-                n = partial.shape[0] * _ceil_div(L, piece.cols)
-                launcher(plan.serial, n).reduce_lanes(n, px, pdy, py, lane_mean, lane_shift,
-                                                      piece.rows, piece.cols, partial)
+                for r0, r1 in _row_ranges(piece.start, piece.stop, block, x, dy):
+                    px = _piece_view(_rows(x, r0, r1), piece)
+                    pdy = _piece_view(_rows(dy, r0, r1), piece)
+                    assert px is not None
+                    j0 = (r0 - piece.start) // block
+                    part = partial[j0:j0 + _ceil_div(px.shape[0], piece.rows)]
+                    n = part.shape[0] * _ceil_div(L, piece.cols)
+                    launcher(plan.serial, n).reduce_lanes(n, px, pdy, py, lane_mean, lane_shift,
+                                                          piece.rows, piece.cols, part)
                 # blocks, then lanes, in a fixed order
                 k.combine_lanes(partial, piece.spread == "repeat", piece.times, *sums)
             finally:
@@ -155,16 +203,21 @@ def reduce(plan: KernelPlan, x: np.ndarray, dy: Optional[np.ndarray], mean: np.n
     A, _, B = x.shape
     partial, buffer = _partial_sums((plan.blocks, plan.segments, C, 2))
     try:
-        if plan.path == "short":  # never fused, so its own order
-            n = plan.blocks * _ceil_div(C, plan.group)
-            launcher(plan.serial, n).reduce_short(
-                n, x.reshape(A, C * B), None if dy is None else dy.reshape(A, C * B),
-                y if y is None or isinstance(y, tuple) else y.reshape(A, C * B), B, mean, shift,
-                plan.rows, plan.group, partial)
-        else:
-            n = partial.shape[0] * partial.shape[1] * C
-            launcher(plan.serial, n).reduce_runs(n, x, dy, y, mean, shift, plan.rows,
-                                                 plan.seg, partial)
+        for r0, r1 in _row_ranges(0, A, plan.rows, x, dy):
+            xr, dyr = _rows(x, r0, r1), _rows(dy, r0, r1)
+            assert xr is not None
+            part = partial[r0 // plan.rows:_ceil_div(r1, plan.rows)]
+            if plan.path == "short":  # never fused, so its own order
+                a = r1 - r0
+                n = part.shape[0] * _ceil_div(C, plan.group)
+                launcher(plan.serial, n).reduce_short(
+                    n, xr.reshape(a, C * B), None if dyr is None else dyr.reshape(a, C * B),
+                    y if y is None or isinstance(y, tuple) else y.reshape(A, C * B), B, mean,
+                    shift, plan.rows, plan.group, part)
+            else:
+                n = part.shape[0] * part.shape[1] * C
+                launcher(plan.serial, n).reduce_runs(n, xr, dyr, y, mean, shift, plan.rows,
+                                                     plan.seg, part)
         k.combine_channels_first(partial, *sums)
     finally:
         _return_partial_sums(buffer)
@@ -202,18 +255,27 @@ def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
     its first element (rows start:stop of (M, C); "repeat" pieces start at 0)."""
     if isinstance(aux, tuple):
         return aux[0], aux[1] + piece.start * C
-    return _piece_view(aux, piece)
+    return _piece_view(_rows(aux, piece.start, piece.stop), piece)
 
 
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
-                x: Optional[np.ndarray] = None, dy: Optional[np.ndarray] = None,
+                x: Optional[Operand] = None, dy: Optional[Operand] = None,
                 y: Aux = None, z: Optional[np.ndarray] = None, aux: Aux = None) -> None:
     """out = kernels._ops.elementwise with the rows of ``coef``: given x and dy, the training
     grad_input; dy only, the eval grad_input; x only, the forward output. The fused operands
-    y, z, aux: see the module's docstring (aux as mask bits: zeroed by the caller)."""
+    y, z, aux: see the module's docstring (aux as mask bits: zeroed by the caller). Sources
+    of rows are taken a chunk at a time, each chunk planned on its own (elementwise results do
+    not depend on the tiles)."""
+    if not isinstance(x, (np.ndarray, type(None))) or not isinstance(dy, (np.ndarray, type(None))):
+        for r0, r1 in _row_ranges(0, out.shape[0], 1, x, dy):
+            xr, dyr = _rows(x, r0, r1), _rows(dy, r0, r1)
+            rows = out[r0:r1]
+            elementwise(_plan.plan(rows, plan.threads), rows, coef, xr, dyr)
+        return
     if plan.path == "lanes":
         for piece in plan.elemt_pieces:
-            px, pdy, pz, pout = (_piece_view(a, piece) for a in (x, dy, z, out))
+            px, pdy, pz, pout = (_piece_view(_rows(a, piece.start, piece.stop), piece)
+                                 for a in (x, dy, z, out))
             py, paux = (_piece_aux(a, piece, out.shape[1]) for a in (y, aux))
             assert pout is not None
             M, L = pout.shape
@@ -233,7 +295,7 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
     two-pass moments it saves two of three passes; docs/internals.md): writes ``out`` (and
     ``aux``), returns (mean, biased var) in float64, the bits of bngrad.api's moments then
     normalize. Else None."""
-    if x.dtype != np.float64 or plan.path != "fused":
+    if x.dtype != np.float64 or plan.path != "fused" or not isinstance(x, np.ndarray):
         return None
     C = x.shape[1]
     mean, var = np.empty(C), np.empty(C)
@@ -247,7 +309,7 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
                    aux=None):
     """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
     reduce, then elementwise); returns (sum_dy, sum_dy_xmu) in float64."""
-    if plan.path == "fused":
+    if plan.path == "fused" and isinstance(x, np.ndarray) and isinstance(dy, np.ndarray):
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
         coef = np.empty((4, C), dtype=dtype)

@@ -26,9 +26,7 @@ import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
-
-import numpy as np
+from typing import Any, Iterator, Optional
 
 from .._threads import current_num_threads
 
@@ -53,6 +51,9 @@ class Config:
     # elements whose serial work costs about one parallel launch (waking the pool): smaller
     # calls run serially (runs_serial scales it by the threads; docs/internals.md)
     serial_elements: int = 1 << 16
+    # an array that is not dense in the kernels' order (grad_out in another layout than input, a
+    # sliced input) is copied whole if no larger, else this many bytes of rows at a time
+    copy_chunk_bytes: int = 1 << 23
 
 
 _config = Config()
@@ -85,6 +86,11 @@ def forced_path(path: str) -> Iterator[None]:
     finally:
         _forced = previous
         _plans.clear()
+
+
+def config() -> Config:
+    """The tuning constants in force."""
+    return _config
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -214,8 +220,9 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
 _plans: dict[tuple[tuple[int, ...], int], KernelPlan] = {}
 
 
-def plan(x: np.ndarray, threads: Optional[int] = None) -> KernelPlan:
-    """The plan for canonical array ``x`` on ``threads`` threads (None: the count in force)."""
+def plan(x: Any, threads: Optional[int] = None) -> KernelPlan:
+    """The plan for canonical array ``x`` (or anything of its shape) on ``threads`` threads
+    (None: the count in force)."""
     if threads is None:
         threads = current_num_threads()
     key = (x.shape, threads)

@@ -1,0 +1,158 @@
+"""Arrays that must be copied (grad_out in another layout than input, a sliced input) are
+copied a chunk of rows at a time once they are larger than ``Config.copy_chunk_bytes``
+(bngrad._layout.RowCopies; docs/internals.md): the same bits as one whole copy, less memory.
+
+Every function that takes chunks, on every kernel path, is run with a chunk budget of one byte
+(every reduction chunk one row block, every elementwise chunk one row), of 512 bytes (chunks of
+whole samples where they fit) and with no chunking, and must give the same bits; a few of the
+chunked results are also held to bngrad.reference. The extra memory is measured with
+tracemalloc (NumPy reports its buffers to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import bngrad
+from bngrad import kernels
+from conftest import check_backward, make_case
+from tolerances import assert_bitwise_equal
+
+WHOLE, CHUNKS = 1 << 40, 1
+
+# (id, shape, channel axis, tuning overrides, forced path or None): small arrays that still make
+# several row blocks on each path (the overrides shrink the tiles)
+GRIDS = [
+    ("runs", (9, 5, 40), 1, dict(tile=80), "runs"),
+    ("fused", (9, 5, 40), 1, dict(tile=80), "fused"),
+    ("short", (11, 5, 40), 1, dict(tile=120, short_group_lanes=80), "short"),
+    ("lanes", (11, 5, 6), 1, dict(tile=60, min_block_rows=2), "lanes"),
+    # channels-last rows, folded for reductions with a leftover piece (input chlast)
+    ("nhwc", (5, 6, 3, 3), 1, dict(fold_lanes=24, elemt_lanes=12, tile=24, min_block_rows=4,
+                                   column_group=16), None),
+    ("2-D", (45, 7), 1, dict(tile=28, min_block_rows=4), None),
+]
+# (input layout, grad_out layout) that copy something
+PAIRS = [("contig", "chlast"), ("chlast", "contig"), ("sliced", "contig"), ("sliced", "sliced"),
+         ("flipped", "chlast"), ("fortran", "contig")]  # fortran: A's axes reversed
+VARIANTS = ["float32", "float64", "bfloat16-p32"]
+# a channels-last input is seen as 2-D rows, which only the lanes path takes
+CASES = [(g, p) for g in GRIDS for p in PAIRS
+         if not (p[0] == "chlast" and g[4] not in (None, "lanes"))
+         and not (p[0] == "fortran" and len(g[1]) == 2)]
+
+
+@contextlib.contextmanager
+def _grid(grid, budget):
+    _, shape, _, overrides, path = grid
+    with kernels.override(copy_chunk_bytes=budget, **overrides), (
+            kernels.forced_path(path) if path else contextlib.nullcontext()):
+        yield
+
+
+def _case(grid, pair, variant, mode="train"):
+    _, shape, axis, _, _ = grid
+    layouts = pair if len(shape) > 2 or "chlast" not in pair else ("contig", "sliced")
+    return make_case(shape, axis, variant, mode, layouts=layouts)
+
+
+def _everything(case):
+    """Every result of every function that takes chunks, on 1 and 2 threads."""
+    results = []
+    C = case.input.shape[case.channel_axis]
+    x, dy, w = case.input, case.grad_out, case.weight
+    for threads in (1, 2):
+        kw = dict(channel_axis=case.channel_axis, num_threads=threads)
+        rm, rv = case.running_mean.copy(), case.running_var.copy()
+        results += bngrad.batch_norm_forward(x, w, None, rm, rv, True, **kw)
+        results += [rm, rv]
+        results += bngrad.batch_norm_forward(x, w, None, rm, rv, False, **kw)[:1]
+        results += bngrad.batch_norm_moments(x, **kw)
+        for mask in ((True, True, True), (False, True, True), (True, False, False)):
+            for stats in ((case.save_mean, case.save_invstd), (None, None)):
+                results += bngrad.batch_norm_backward(dy, x, w, None, None, *stats, True,
+                                                      output_mask=mask, **kw)
+            results += bngrad.batch_norm_backward(dy, x, w, rm, rv, None, None, False,
+                                                  output_mask=mask, **kw)
+        mean, invstd = case.save_mean, case.save_invstd
+        sum_dy, sum_dy_xmu, _, _ = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w, **kw)
+        results += [sum_dy, sum_dy_xmu]
+        count = x.size // C
+        results.append(bngrad.batch_norm_backward_elemt(dy, x, mean, invstd, w, sum_dy,
+                                                        sum_dy_xmu, count, **kw))
+    return [r for r in results if r is not None]
+
+
+@pytest.mark.parametrize("budget", [CHUNKS, 512])  # 512 bytes: chunks of whole samples too
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("grid_pair", CASES, ids=lambda c: f"{c[0][0]}-{'/'.join(c[1])}")
+def test_chunks_give_the_bits_of_a_whole_copy(grid_pair, variant, budget):
+    grid, pair = grid_pair
+    case = _case(grid, pair, variant)
+    with _grid(grid, WHOLE):
+        whole = _everything(case)
+    with _grid(grid, budget):
+        text = bngrad.explain(case.input, case.grad_out, channel_axis=case.channel_axis)
+        assert ("(in chunks)" in text) == (case.input.nbytes > budget), text
+        chunked = _everything(case)
+    assert len(whole) == len(chunked)
+    for i, (a, b) in enumerate(zip(whole, chunked)):
+        assert_bitwise_equal(b, a, f"result {i}")
+
+
+@pytest.mark.parametrize("mode", ["train", "train-nostats", "eval"])
+@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g[0])
+def test_chunked_backward_against_the_reference(grid, mode):
+    case = _case(grid, ("sliced", "chlast"), "float32", mode)
+    with _grid(grid, CHUNKS):
+        check_backward(case)
+
+
+def test_small_copies_stay_whole():
+    """Below the budget a copy is made whole (one pass, fewer calls)."""
+    case = make_case((4, 3, 5, 5), layouts=("contig", "chlast"))
+    assert "(in chunks)" not in bngrad.explain(case.input, case.grad_out)
+
+
+@pytest.mark.parametrize("shape", [(40, 7), (4, 3, 5, 5)])
+def test_channels_outermost_in_memory_copy_whole(shape):
+    """Chunks are of input's outermost memory axis: where that is the channel axis (a
+    channels-first input, C order grad_out), the copy is whole, and right."""
+    case = make_case(shape, layouts=("chfirst", "contig"))
+    with kernels.override(copy_chunk_bytes=CHUNKS):
+        assert "(in chunks)" not in bngrad.explain(case.input, case.grad_out)
+        check_backward(case)
+
+
+def _peak_bytes(fn):
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("pair", [("contig", "chlast"), ("chlast", "contig"), ("sliced", "contig")],
+                         ids="/".join)
+def test_chunks_keep_the_extra_memory_small(pair):
+    """A backward with out= given allocates only its temporaries: a whole copy of the
+    (8, 32, 32, 32) float32 array (1 MiB) without chunks, less than a quarter of it with
+    chunks of 64 KiB (with tiles small enough that a reduction's row block is no larger: a
+    sample, or 512 channels-last rows)."""
+    case = make_case((8, 32, 32, 32), layouts=pair)
+    out = np.empty_like(case.input)
+
+    def backward():
+        bngrad.batch_norm_backward(*case.args(), out=out)
+    size = case.input.nbytes
+    for budget, fits in ((WHOLE, lambda peak: peak >= size),
+                         (1 << 16, lambda peak: peak < size // 4)):
+        with kernels.override(copy_chunk_bytes=budget, tile=1024, min_block_rows=4):
+            backward()  # compiled, layout found and scratch allocated before measuring
+            peak = _peak_bytes(backward)
+            assert fits(peak), (budget, peak, size)
