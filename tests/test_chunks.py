@@ -2,23 +2,24 @@
 copied a chunk of rows at a time once they are larger than ``Config.copy_chunk_bytes``
 (bngrad._layout.RowCopies; docs/internals.md): the same bits as one whole copy, less memory.
 
-Every function that takes chunks, on every kernel path, is run with a chunk budget of one byte
-(every reduction chunk one row block, every elementwise chunk one row), of 512 bytes (chunks of
-whole samples where they fit) and with no chunking, and must give the same bits; a few of the
-chunked results are also held to bngrad.reference. The extra memory is measured with
+Every function that takes chunks, on every kernel path, is run with a chunk budget of one
+reduction row block (the smallest a copy is chunked with), of a third of the array (several
+blocks, whole samples where they fit) and with no chunking, and must give the same bits; a few
+of the chunked results are also held to bngrad.reference. The extra memory is measured with
 tracemalloc (NumPy reports its buffers to it).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import tracemalloc
 
 import numpy as np
 import pytest
 
 import bngrad
-from bngrad import kernels
+from bngrad import _layout, kernels
 from conftest import check_backward, make_case
 from tolerances import assert_bitwise_equal
 
@@ -34,7 +35,7 @@ GRIDS = [
     # channels-last rows, folded for reductions with a leftover piece (input chlast)
     ("nhwc", (5, 6, 3, 3), 1, dict(fold_lanes=24, elemt_lanes=12, tile=24, min_block_rows=4,
                                    column_group=16), None),
-    ("2-D", (45, 7), 1, dict(tile=28, min_block_rows=4), None),
+    ("2-D", (45, 7), 1, dict(fold_lanes=14, elemt_lanes=14, tile=28, min_block_rows=4), None),
 ]
 # (input layout, grad_out layout) that copy something
 PAIRS = [("contig", "chlast"), ("chlast", "contig"), ("sliced", "contig"), ("sliced", "sliced"),
@@ -87,16 +88,28 @@ def _everything(case):
     return [r for r in results if r is not None]
 
 
-@pytest.mark.parametrize("budget", [CHUNKS, 512])  # 512 bytes: chunks of whole samples too
+def _block_bytes(case) -> int:
+    """Bytes of the canonical array in a reduction's largest row block (the smallest chunk)."""
+    layout = _layout.plan(case.input, case.grad_out, case.channel_axis % case.input.ndim, 1)
+    return (kernels.reduce_block_rows(layout.kernel) * case.input.itemsize
+            * math.prod(layout.x.shape[1:]))
+
+
+@pytest.mark.parametrize("budget", ["block", "sample"])
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("grid_pair", CASES, ids=lambda c: f"{c[0][0]}-{'/'.join(c[1])}")
 def test_chunks_give_the_bits_of_a_whole_copy(grid_pair, variant, budget):
+    """Budgets: one reduction block per chunk (elementwise chunks of rows), or a few blocks
+    and whole samples where they fit."""
     grid, pair = grid_pair
     case = _case(grid, pair, variant)
     with _grid(grid, WHOLE):
         whole = _everything(case)
+        block = _block_bytes(case)
+    budget = block if budget == "block" else max(block, case.input.nbytes // 3)
     with _grid(grid, budget):
         text = bngrad.explain(case.input, case.grad_out, channel_axis=case.channel_axis)
+        # (a single block is the whole array: nothing to chunk)
         assert ("(in chunks)" in text) == (case.input.nbytes > budget), text
         chunked = _everything(case)
     assert len(whole) == len(chunked)
@@ -108,8 +121,31 @@ def test_chunks_give_the_bits_of_a_whole_copy(grid_pair, variant, budget):
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: g[0])
 def test_chunked_backward_against_the_reference(grid, mode):
     case = _case(grid, ("sliced", "chlast"), "float32", mode)
-    with _grid(grid, CHUNKS):
+    with _grid(grid, WHOLE):
+        block = _block_bytes(case)
+    with _grid(grid, block):
+        text = bngrad.explain(case.input, case.grad_out)
+        assert ("(in chunks)" in text) == (case.input.nbytes > block), text
         check_backward(case)
+
+
+@pytest.mark.parametrize("path", ["fused", "runs"])
+def test_a_fused_training_backward_copies_whole(path, monkeypatch):
+    """The fused training backward reads a whole copy once, where chunks would make it two
+    passes that each copy again: on a fused plan it copies whole; everything else chunks."""
+    made = []
+    rows = _layout.RowCopies.rows
+    monkeypatch.setattr(_layout.RowCopies, "rows", lambda self, r0, r1: made.append(r0) or rows(
+        self, r0, r1))
+    case = make_case((9, 5, 40), layouts=("contig", "chlast"))
+    with kernels.override(tile=80), kernels.forced_path(path):
+        with kernels.override(copy_chunk_bytes=_block_bytes(case)):
+            bngrad.batch_norm_backward(*case.args())
+            assert bool(made) == (path == "runs")
+            made.clear()
+            case.output_mask = (False, True, True)
+            bngrad.batch_norm_backward(*case.args())
+            assert made
 
 
 def test_small_copies_stay_whole():
@@ -142,7 +178,7 @@ def _peak_bytes(fn):
 def test_chunks_keep_the_extra_memory_small(pair):
     """A backward with out= given allocates only its temporaries: a whole copy of the
     (8, 32, 32, 32) float32 array (1 MiB) without chunks, less than a quarter of it with
-    chunks of 64 KiB (with tiles small enough that a reduction's row block is no larger: a
+    chunks of 128 KiB (with tiles small enough that a reduction's row block is no larger: a
     sample, or 512 channels-last rows)."""
     case = make_case((8, 32, 32, 32), layouts=pair)
     out = np.empty_like(case.input)
@@ -151,8 +187,9 @@ def test_chunks_keep_the_extra_memory_small(pair):
         bngrad.batch_norm_backward(*case.args(), out=out)
     size = case.input.nbytes
     for budget, fits in ((WHOLE, lambda peak: peak >= size),
-                         (1 << 16, lambda peak: peak < size // 4)):
-        with kernels.override(copy_chunk_bytes=budget, tile=1024, min_block_rows=4):
+                         (1 << 17, lambda peak: peak < size // 4)):
+        with kernels.override(copy_chunk_bytes=budget, tile=1024, min_block_rows=4,
+                              fused_channels_per_thread=1 << 20):  # not fused: chunks
             backward()  # compiled, layout found and scratch allocated before measuring
             peak = _peak_bytes(backward)
             assert fits(peak), (budget, peak, size)

@@ -227,13 +227,13 @@ _layouts: dict[tuple, _Layout] = {}
 
 
 def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, threads: int,
-         chunked: bool = False) -> Plan:
+         chunked: bool = False, fusing: bool = False) -> Plan:
     """The canonical views of input (and grad_out, input's shape and dtype) for a call on
     ``threads`` threads (resolved: bngrad._threads.resolve_num_threads), copying what must be
     copied (in parallel where that pays). With ``chunked``, where a copy would be larger than
     ``kernels.Config.copy_chunk_bytes`` the plan's x or dy is a :class:`RowCopies` instead,
     copied a chunk at a time by the kernels' passes (callers that take it: those without the
-    fused operands)."""
+    fused operands; ``fusing``: the call would fuse on a ``fused`` plan, see _takes_chunks)."""
     key = (input.shape, input.strides, input.dtype,
            None if grad_out is None else grad_out.strides, channel_axis)
     layout = _layouts.get(key)
@@ -242,8 +242,7 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
             _layouts.clear()
         layout = _layouts[key] = _find_layout(input, grad_out, channel_axis)
     copied = layout.copied
-    if (copied and chunked and input.nbytes > kernels.config().copy_chunk_bytes
-            and layout.order[0] != channel_axis):  # (chunks are of the first memory axis)
+    if copied and chunked and _takes_chunks(input, layout, threads, channel_axis, fusing):
         return _chunked_plan(input, grad_out, layout, threads)
     x = input.transpose(layout.order)
     if copied and copied[0] == "input":
@@ -262,6 +261,23 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
     # callers share one compiled kernel.
     x.flags.writeable = False
     return Plan(x, dy, layout, kernels.plan(x, threads))
+
+
+def _takes_chunks(input: np.ndarray, layout: _Layout, threads: int, channel_axis: int,
+                  fusing: bool) -> bool:
+    """Whether a copy is made a chunk of rows at a time: where it is larger than the budget
+    (Config.copy_chunk_bytes), the first memory axis, which chunks cut, is not the channel
+    axis, and the call would not otherwise fuse (``fusing``: a training backward with
+    grad_input, on a ``fused`` plan), which reads a whole copy once where chunks make it two
+    passes, each copying again ((32, 256, 56, 56) float32 backward, x NCHW, dy NHWC: 47.8 ->
+    81.3 ms; docs/internals.md)."""
+    if input.nbytes <= kernels.config().copy_chunk_bytes or layout.order[0] == channel_axis:
+        return False
+    return not (fusing and kernels.plan(_Shape(layout.canonical), threads).path == "fused")
+
+
+class _Shape(NamedTuple):
+    shape: tuple[int, ...]
 
 
 def _chunked_plan(input: np.ndarray, grad_out: Optional[np.ndarray], layout: _Layout,

@@ -326,7 +326,8 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     w = _f64(weight, n_channels, 1.0)
 
     layout = plan(input, grad_out, axis, resolve_num_threads(threads),
-                  chunked=relu is None and relu_bits is None and not grad_side)
+                  chunked=relu is None and relu_bits is None and not grad_side,
+                  fusing=train and mask[0])
     with kernels.region(layout.kernel):
         y: kernels.Aux = None if relu is None else layout.canonical(relu)
         if relu_bits is not None:  # flat index 0: x's first element, in the mask's order

@@ -35,8 +35,8 @@ from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, config, for
 __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
            "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
            "copy_rows", "elementwise", "forced_path", "forward_train", "moments",
-           "normalize_coefficients", "override", "plan", "reduce", "train_coefficients",
-           "transpose_last_two"]
+           "normalize_coefficients", "override", "plan", "reduce", "reduce_block_rows",
+           "train_coefficients", "transpose_last_two"]
 
 # Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
 # of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them in parallel (the
@@ -141,6 +141,15 @@ def _row_ranges(start: int, stop: int, align: int, *operands: Optional[Operand]
     step = max(1, budget // (row_bytes * align)) * align
     for r0 in range(start, stop, step):
         yield r0, min(stop, r0 + step)
+
+
+def reduce_block_rows(plan: KernelPlan) -> int:
+    """Rows of the canonical array in a reduction's largest row block: the smallest chunk
+    of rows a RowSource is taken in (tests/test_chunks.py sizes its budgets with it)."""
+    if plan.path == "lanes":
+        return max((p.rows * (p.times if p.spread == "tile" else 1) for p in plan.reduce_pieces),
+                   default=1)
+    return plan.rows
 
 
 # ---------------------------------------------------------------------------------------------
