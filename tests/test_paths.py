@@ -8,8 +8,8 @@ small arrays still make several row blocks (with 4-row passes and tails), run se
 channel groups. Channels-last rows, which only the lanes path takes, are reached without
 forcing, folded with a leftover piece.
 
-Also: the one thread-dependent choice (fused or not) gives the same bits both ways, and the
-plan names the path it takes (``bngrad.explain``).
+Also: the one thread-dependent choice (fused or not: fused/runs, fused_short/short) gives the
+same bits both ways, and the plan names the path it takes (``bngrad.explain``).
 """
 
 from __future__ import annotations
@@ -105,37 +105,69 @@ def test_reduce_and_elemt_on_every_path(case, variant):
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("pair", [("fused", "runs"), ("fused_short", "short")],
+                         ids=["runs", "short"])
 @pytest.mark.parametrize("grid", GRIDS[:2], ids=[g[0] for g in GRIDS[:2]])
-def test_fused_and_runs_give_the_same_bits(grid, variant):
-    """The only choice that depends on the thread count must not change a bit."""
+def test_fused_and_two_phase_give_the_same_bits(grid, pair, variant):
+    """The only choice that depends on the thread count must not change a bit; fused_short's
+    groups (of any size) neither."""
     c = make_case(grid[1], 1, variant, "train-nostats", layouts=("contig", "contig"), seed=11)
     results = {}
-    for path in ("fused", "runs"):
-        with _on_path(grid, path):
-            results[path] = (bngrad.batch_norm_backward(*c.args(), num_threads=2)
-                             + bngrad.batch_norm_forward(c.input, c.weight, c.weight,
-                                                         num_threads=2))
-    for i, (a, b) in enumerate(zip(results["fused"], results["runs"])):
-        assert_bitwise_equal(a, b, f"output {i}")
+    for path, overrides in [(pair[0], {}), (pair[0], dict(fused_group_elements=1)),
+                            (pair[1], {})]:
+        with _on_path(grid, path), kernels.override(**overrides):
+            results.setdefault(path, []).append(
+                bngrad.batch_norm_backward(*c.args(), num_threads=2)
+                + bngrad.batch_norm_forward(c.input, c.weight, c.weight, num_threads=2))
+    fused, fused_in_groups_of_one, two_phase = results[pair[0]] + results[pair[1]]
+    for i, (a, b, t) in enumerate(zip(fused, fused_in_groups_of_one, two_phase)):
+        assert_bitwise_equal(a, t, f"output {i}")
+        assert_bitwise_equal(b, t, f"output {i} (groups of one channel)")
 
 
 def test_path_depends_on_threads_only_through_fusing():
     cfg = kernels.Config()
-    for shape in [(3, 20, 300), (4, 5, 49), (4, 5, 7), (100, 3)]:
+    for shape in [(3, 20, 300), (4, 20, 49), (4, 5, 49), (4, 5, 7), (100, 3)]:
         paths = {_plan._plan(shape, threads, cfg, None).path for threads in (1, 2, 4, 8, 64)}
-        assert paths <= {"fused", "runs"} or len(paths) == 1, (shape, paths)
+        assert (paths <= {"fused", "runs"} or paths <= {"fused_short", "short"}
+                or len(paths) == 1), (shape, paths)
     assert _plan._plan((3, 20, 300), 1, cfg, None).path == "fused"
     assert _plan._plan((3, 20, 300), 8, cfg, None).path == "runs"
+    assert _plan._plan((4, 20, 49), 1, cfg, None).path == "fused_short"
+    assert _plan._plan((4, 20, 49), 8, cfg, None).path == "short"
+
+
+def test_fused_short_groups():
+    """About fused_group_elements elements per group, and fused_channels_per_thread groups
+    per thread where the channels allow."""
+    cfg = kernels.Config(fused_group_elements=1 << 15)
+    assert _plan._plan((64, 64, 64), 2, cfg, None).fused_group == 8  # 32768 // 4096
+    assert _plan._plan((16, 512, 49), 2, cfg, None).fused_group == 41  # 32768 // 784
+    assert _plan._plan((2, 64, 49), 2, cfg, None).fused_group == 8  # 64 / (4 * 2)
+    assert _plan._plan((4096, 8, 49), 1, cfg, None).fused_group == 1
+
+
+def test_l2_cache_size_from_sysfs(tmp_path):
+    """fused_group_elements' default comes from the L2 size the OS reports (or 1 MiB)."""
+    for index, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "32K"),
+                                                 ("2", "Unified", "1280K"), ("3", "Unified", "32M")]):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        for name, text in (("level", level), ("type", kind), ("size", size)):
+            (folder / name).write_text(text + "\n")
+    assert _plan.l2_cache_bytes(str(tmp_path)) == 1280 << 10
+    assert _plan.l2_cache_bytes(str(tmp_path / "missing"), default=12345) == 12345
+    assert kernels.Config().fused_group_elements == _plan.l2_cache_bytes() // 8
 
 
 def test_natural_paths_and_explain():
     """Which shapes reach which path with the default constants (docs/internals.md's map)."""
-    expected = {(64, 3): "lanes", (8, 16, 5, 5): "lanes", (8, 16, 7, 7): "short",
-                (2, 64, 16, 16): "fused", (2, 3, 16, 16): "runs"}
+    expected = {(64, 3): "lanes", (8, 16, 5, 5): "lanes", (8, 16, 7, 7): "fused_short",
+                (8, 3, 7, 7): "short", (2, 64, 16, 16): "fused", (2, 3, 16, 16): "runs"}
     for shape, path in expected.items():
         _assert_path(np.zeros(shape, np.float32), path)
     text = bngrad.explain(np.zeros((4, 6, 10, 10))[:, :, ::2], num_threads=1)
-    assert "copied: input" in text and "path='short'" in text, text
+    assert "copied: input" in text and "path='fused_short'" in text, text
 
 
 def test_forcing_a_channels_first_path_on_rows_raises():

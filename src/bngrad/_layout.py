@@ -273,7 +273,8 @@ def _takes_chunks(input: np.ndarray, layout: _Layout, threads: int, channel_axis
     81.3 ms; docs/internals.md)."""
     if input.nbytes <= kernels.config().copy_chunk_bytes or layout.order[0] == channel_axis:
         return False
-    return not (fusing and kernels.plan(_Shape(layout.canonical), threads).path == "fused")
+    return not (fusing and kernels.plan(_Shape(layout.canonical), threads).path
+                in ("fused", "fused_short"))
 
 
 class _Shape(NamedTuple):

@@ -43,8 +43,8 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "Ker
 # prange launchers at the end of kernels.batchnorm; the seam a backend swaps), ``serial`` on the
 # calling thread; :func:`launcher` chooses, for every launch, in this one place.
 LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
-             "elementwise_lanes", "backward_fused", "forward_fused", "copy_rows",
-             "transpose_last_two")
+             "elementwise_lanes", "backward_fused", "backward_fused_short", "forward_fused",
+             "copy_rows", "transpose_last_two")
 launch = k
 serial = types.SimpleNamespace(**{name: getattr(k, name + "_serial") for name in LAUNCHERS})
 
@@ -216,7 +216,7 @@ def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray
             xr, dyr = _rows(x, r0, r1), _rows(dy, r0, r1)
             assert xr is not None
             part = partial[r0 // plan.rows:_ceil_div(r1, plan.rows)]
-            if plan.path == "short":  # never fused, so its own order
+            if plan.short:  # its own order, which only fused_short's backward shares
                 a = r1 - r0
                 n = part.shape[0] * _ceil_div(C, plan.group)
                 launcher(plan.serial, n).reduce_short(
@@ -294,7 +294,7 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
                                                        piece.cols)
     else:  # short: groups of whole runs; runs, fused: run segments
         A, C, B = out.shape
-        group, seg = (plan.group, B) if plan.path == "short" else (1, plan.seg)
+        group, seg = (plan.group, B) if plan.short else (1, plan.seg)
         n = A * _ceil_div(C, group) * _ceil_div(B, seg)
         launcher(plan.serial, n).elementwise_runs(n, x, dy, y, z, out, aux, coef, group, seg)
 
@@ -318,13 +318,20 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
                    aux=None):
     """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
     reduce, then elementwise); returns (sum_dy, sum_dy_xmu) in float64."""
-    if plan.path == "fused" and isinstance(x, np.ndarray) and isinstance(dy, np.ndarray):
+    if plan.path in ("fused", "fused_short") and isinstance(x, np.ndarray) and isinstance(
+            dy, np.ndarray):
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
         coef = np.empty((4, C), dtype=dtype)
-        launcher(plan.serial, C).backward_fused(C, x, dy, y, out, aux, mean, invstd, weight,
-                                                float(count), plan.rows, plan.seg, sum_dy,
-                                                sum_dy_xmu, coef)
+        if plan.path == "fused":  # an item per channel
+            launcher(plan.serial, C).backward_fused(C, x, dy, y, out, aux, mean, invstd, weight,
+                                                    float(count), plan.rows, plan.seg, sum_dy,
+                                                    sum_dy_xmu, coef)
+        else:  # an item per group of channels
+            n = _ceil_div(C, plan.fused_group)
+            launcher(plan.serial, n).backward_fused_short(
+                n, x, dy, y, out, aux, mean, invstd, weight, float(count), plan.rows,
+                plan.fused_group, sum_dy, sum_dy_xmu, coef)
         return sum_dy, sum_dy_xmu
     sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean, y=y)
     coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)

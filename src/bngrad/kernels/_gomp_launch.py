@@ -53,7 +53,7 @@ from .. import _gomp
 from . import batchnorm as _items
 from ._cache import HERE, sources_stamp
 
-__all__ = ["backward_fused", "copy_rows", "elementwise_lanes", "elementwise_runs",
+__all__ = ["backward_fused", "backward_fused_short", "copy_rows", "elementwise_lanes", "elementwise_runs",
            "forward_fused", "reduce_lanes", "reduce_runs", "reduce_short",
            "transpose_last_two"]
 
@@ -224,6 +224,12 @@ def _backward_fused(parallel, serial, n, *args):
 
 @_stamped
 @njit(**_JIT)
+def _backward_fused_short(parallel, serial, n, *args):
+    _run_items(_items.backward_fused_short_item, parallel, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
 def _forward_fused(parallel, serial, n, *args):
     _run_items(_items.forward_fused_item, parallel, _team(serial), n, args)
 
@@ -270,6 +276,7 @@ reduce_lanes = _launcher(_reduce_lanes, "reduce_lanes")
 elementwise_runs = _launcher(_elementwise_runs, "elementwise_runs")
 elementwise_lanes = _launcher(_elementwise_lanes, "elementwise_lanes")
 backward_fused = _launcher(_backward_fused, "backward_fused")
+backward_fused_short = _launcher(_backward_fused_short, "backward_fused_short")
 forward_fused = _launcher(_forward_fused, "forward_fused")
 copy_rows = _launcher(_copy_rows, "copy_rows")
 transpose_last_two = _launcher(_transpose_last_two, "transpose_last_two")

@@ -7,12 +7,16 @@ cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with example
   ``C*B`` lanes. Narrow channels-last rows are folded (``k`` rows into one, a view; the
   ``M % k`` leftover rows are a second piece). Lane sums go to their channel in lane order;
 - ``short``: runs of ``short_run..fused_min_run``, an item per group of whole channels;
+- ``fused_short``: as ``short``, but the training backward reduces a group of channels (about
+  ``fused_group_elements`` elements) and writes it while it is in cache, if ``C >=
+  fused_channels_per_thread * threads``;
 - ``runs``: longer runs, an item per tile (reductions) or run segment (elementwise);
 - ``fused``: as ``runs``, but the training backward (and float64's forward) reduces a channel
   and writes it while it is in cache, if ``C >= fused_channels_per_thread * threads``.
 
-``fused`` and ``runs`` share tiles and order (kernels.batchnorm), so the one choice that depends
-on the thread count gives the same bits (tests/test_paths.py); all others depend on the shape.
+``fused`` and ``runs`` share tiles and order (kernels.batchnorm), as do ``fused_short`` and
+``short``, so the one choice that depends on the thread count (to fuse or not) gives the same
+bits (tests/test_paths.py); all others depend on the shape.
 
 :func:`runs_serial` decides, for every call, whether its items run on the calling thread (the
 serial launchers) instead of Numba's pool: when one thread is asked for, or when the work is
@@ -25,12 +29,31 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
 from .._threads import current_num_threads
 
-PATHS = ("lanes", "short", "runs", "fused")
+PATHS = ("lanes", "short", "fused_short", "runs", "fused")
+
+
+def l2_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache",
+                   default: int = 1 << 20) -> int:
+    """The first CPU's level-2 (data or unified) cache size, from Linux's sysfs; ``default``
+    where it cannot be read (another OS, a container hiding it)."""
+    try:
+        for index in sorted(os.listdir(root)):
+            def read(name: str) -> str:
+                with open(os.path.join(root, index, name)) as f:
+                    return f.read().strip()
+            if read("level") == "2" and read("type") in ("Data", "Unified"):
+                size = read("size")  # e.g. "1024K"
+                scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
+                return int(size.rstrip("KM")) * scale
+    except (OSError, ValueError):
+        pass
+    return default
 
 
 @dataclass(frozen=True)
@@ -45,9 +68,11 @@ class Config:
     fold_lanes: int = 4096            # narrower channels-last rows are folded, for reductions
     elemt_lanes: int = 256            # and for elementwise passes
     short_run: int = 32               # shorter channels-first runs are seen as lanes
-    fused_min_run: int = 256          # shorter runs take the short kernels, never fused
+    fused_min_run: int = 256          # shorter runs take the short kernels (fused_short)
     short_group_lanes: int = 1536     # lanes per task of the short kernels
     fused_channels_per_thread: int = 4  # fewer channels per thread leave threads idle: no fusing
+    # elements of x per fused_short item: its float32 x and dy fill the L2 cache (one core's)
+    fused_group_elements: int = l2_cache_bytes() // 8
     # elements whose serial work costs about one parallel launch (waking the pool): smaller
     # calls run serially (runs_serial scales it by the threads; docs/internals.md)
     serial_elements: int = 1 << 16
@@ -136,7 +161,8 @@ class LanePiece:
 class KernelPlan:
     """The path and tiles for one canonical array shape. Channels-first: reduction tiles of
     ``rows`` rows x ``seg`` elements of a run (elementwise ``runs`` items: one segment),
-    ``short`` items of ``group`` channels. ``lanes``: the pieces of each pass."""
+    ``short`` items of ``group`` channels, ``fused_short``'s training backward items of
+    ``fused_group`` channels. ``lanes``: the pieces of each pass."""
 
     path: str
     shape: tuple[int, ...]
@@ -146,8 +172,14 @@ class KernelPlan:
     rows: int = 0
     seg: int = 0
     group: int = 0
+    fused_group: int = 0
     reduce_pieces: tuple[LanePiece, ...] = ()
     elemt_pieces: tuple[LanePiece, ...] = ()
+
+    @property
+    def short(self) -> bool:
+        """Whether the passes take the short kernels (fused_short's, but for its backward)."""
+        return self.path in ("short", "fused_short")
 
     @property
     def blocks(self) -> int:
@@ -155,7 +187,7 @@ class KernelPlan:
 
     @property
     def segments(self) -> int:
-        return 1 if self.path == "short" else _ceil_div(self.shape[2], self.seg)
+        return 1 if self.short else _ceil_div(self.shape[2], self.seg)
 
     def __repr__(self) -> str:
         head = (f"KernelPlan(path={self.path!r}{' (forced)' if self.forced else ''}, "
@@ -163,9 +195,12 @@ class KernelPlan:
         if self.path == "lanes":
             return "\n  ".join([head + ")", "reduce:"] + [f"  {p!r}" for p in self.reduce_pieces]
                                + ["elementwise:"] + [f"  {p!r}" for p in self.elemt_pieces])
-        if self.path == "short":
+        if self.short:
+            fused = (f", fused in {_ceil_div(self.shape[1], self.fused_group)} groups of "
+                     f"{self.fused_group}" if self.path == "fused_short" else "")
             return (f"{head}, {self.blocks} row blocks of {self.rows}, "
-                    f"{_ceil_div(self.shape[1], self.group)} groups of {self.group} channels)")
+                    f"{_ceil_div(self.shape[1], self.group)} groups of {self.group} channels"
+                    f"{fused})")
         return (f"{head}, tiles of {self.rows} rows x {self.seg} elements, "
                 f"{self.blocks} x {self.segments} per channel)")
 
@@ -208,10 +243,16 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
                           elemt_pieces=_lane_pieces(cfg, shape, cfg.elemt_lanes, False))
     A, C, B = shape
     rows, seg = (1, cfg.tile) if B >= cfg.tile else (max(1, cfg.tile // max(B, 1)), max(B, 1))
-    path = forced or ("short" if B < cfg.fused_min_run
-                      else "fused" if C >= cfg.fused_channels_per_thread * threads else "runs")
+    fuses = C >= cfg.fused_channels_per_thread * threads
+    path = forced or (("fused_short" if fuses else "short") if B < cfg.fused_min_run
+                      else "fused" if fuses else "runs")
+    # fused_short: groups of about fused_group_elements, and at least fused_channels_per_thread
+    # groups per thread where there are channels enough (which group cannot change a bit)
+    fused_group = max(1, min(cfg.fused_group_elements // max(A * B, 1),
+                             _ceil_div(C, cfg.fused_channels_per_thread * threads)))
     return KernelPlan(path, shape, threads, forced is not None, serial, rows=rows, seg=seg,
-                      group=_ceil_div(cfg.short_group_lanes, max(B, 1)))
+                      group=_ceil_div(cfg.short_group_lanes, max(B, 1)),
+                      fused_group=fused_group)
 
 
 # Plans by (shape, threads), for the configuration in force: a dict lookup, where an lru_cache

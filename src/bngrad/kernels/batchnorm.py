@@ -440,6 +440,21 @@ def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, m
         _flush(part, (r * C + c) * B, B)
 
 
+@njit(inline="always", **_JIT)
+def _map_runs(a, c0, c1, b0, b1, x, dy, ys, z, out, part, coef):
+    """out = elementwise(x, dy, y, z) on segment b0:b1 of the runs of channels c0..c1-1 in row
+    a (contiguous in memory: mask bits are packed once); ``ys``, ``part``: the item's ReLU
+    record and second output, with their scratch (_with_scratch)."""
+    C, B = out.shape[1], out.shape[2]
+    for c in range(c0, c1):
+        run = (a, c, slice(b0, b1))
+        _map(take(x, run), take(dy, run),
+             _relu_record(ys, run, (a * C + c) * B + b0, b1 - b0, 0), take(z, run), out[run],
+             _mask_part(part, run, (c - c0) * (b1 - b0)), coef[SCALE, c], coef[PROJ, c],
+             coef[GRAD_MEAN, c], coef[MEAN, c])
+    _flush(part, (a * C + c0) * B + b0, (c1 - c0) * (b1 - b0))
+
+
 @njit(**_JIT)
 def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
     """Item (row a, group of channels, run segment): out = elementwise(x, dy, y, z) on that
@@ -451,14 +466,8 @@ def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
     r, b0 = item // n_segs, (item % n_segs) * seg
     a, g = r // n_groups, r % n_groups
     c0, c1, b1 = g * group, min(C, g * group + group), min(B, b0 + seg)
-    part, ys = _with_scratch(aux, (c1 - c0) * (b1 - b0)), _with_scratch(y, b1 - b0)
-    for c in range(c0, c1):
-        run = (a, c, slice(b0, b1))
-        _map(take(x, run), take(dy, run),
-             _relu_record(ys, run, (a * C + c) * B + b0, b1 - b0, 0), take(z, run), out[run],
-             _mask_part(part, run, (c - c0) * (b1 - b0)), coef[SCALE, c], coef[PROJ, c],
-             coef[GRAD_MEAN, c], coef[MEAN, c])
-    _flush(part, (a * C + c0) * B + b0, (c1 - c0) * (b1 - b0))
+    _map_runs(a, c0, c1, b0, b1, x, dy, _with_scratch(y, b1 - b0), z, out,
+              _with_scratch(aux, (c1 - c0) * (b1 - b0)), coef)
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 maps): one run at a time spends most of its time in
@@ -484,24 +493,72 @@ def _lanes_of_impl(values, c0, c1, B):
 
 
 @njit(**_JIT)
+def _short_block_sums(x2, d2, y2, B, lane_mean, lane_shift, r0, r1, c0, c1, sd, sx):
+    """(sd[c - c0], sx[c - c0]) = (sum dy', sum dy'*(x-mean)) over rows r0..r1-1 of channels
+    c0..c1-1: their lanes of the (A, C*B) views summed over the rows (four at a time, in
+    order) into per-lane sums, then each channel's B lanes added in order. The sums of one
+    channel do not depend on c0, c1: a group of any size gives the same bits."""
+    n = (c1 - c0) * B
+    psd, psx = np.zeros(n), np.zeros(n)
+    _accumulate_rows(x2, d2, y2, r0, r1, c0 * B, c1 * B, lane_mean, lane_shift, psd, psx)
+    for c in range(c1 - c0):
+        a = b = 0.0
+        for i in range(c * B, (c + 1) * B):
+            a += psd[i]
+            b += psx[i]
+        sd[c], sx[c] = a, b
+
+
+@njit(**_JIT)
 def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
     """partial[j, 0, c] = (sum dy', sum dy'*(x-mean)) over rows block j, for a group of
-    channels: their lanes of the (A, C*B) views summed over the block's rows (four at a time,
-    in order) into per-lane sums, then each channel's B lanes added in order."""
+    channels (_short_block_sums)."""
     A, C = x2.shape[0], x2.shape[1] // B
     n_groups = (C + group - 1) // group
     j, g = item // n_groups, item % n_groups
     c0, c1 = g * group, min(C, g * group + group)
-    n = (c1 - c0) * B
-    psd, psx = np.zeros(n), np.zeros(n)
-    _accumulate_rows(x2, d2, y2, j * rows, min(A, j * rows + rows), c0 * B, c1 * B,
-                     _lanes_of(mean, c0, c1, B), _lanes_of(shift, c0, c1, B), psd, psx)
+    _short_block_sums(x2, d2, y2, B, _lanes_of(mean, c0, c1, B), _lanes_of(shift, c0, c1, B),
+                      j * rows, min(A, j * rows + rows), c0, c1, partial[j, 0, c0:c1, 0],
+                      partial[j, 0, c0:c1, 1])
+
+
+def _as_rows(a: Any, A: Any, n: Any) -> Any:
+    """A canonical (A, C, B) operand as its (A, C*B) rows: None and mask bits as they are."""
+    raise NotImplementedError
+
+
+@overload(_as_rows, inline="always")
+def _as_rows_impl(a, A, n):
+    if isinstance(a, (types.NoneType, types.BaseTuple)):
+        return lambda a, A, n: a
+    return lambda a, A, n: a.reshape((A, n))
+
+
+@njit(**_JIT)
+def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count, rows, group,
+                              sum_dy, sum_dy_xmu, coef):
+    """Training backward of group g of channels with short runs: the ``short`` reduction's
+    row blocks, lanes and order (the same bits), then its elementwise pass, while the group
+    is in cache."""
+    A, C, B = x.shape
+    c0, c1 = g * group, min(C, g * group + group)
+    x2, d2, y2 = x.reshape((A, C * B)), dy.reshape((A, C * B)), _as_rows(y, A, C * B)
+    lane_mean = _lanes_of(mean, c0, c1, B)
+    sd, sx = np.zeros(c1 - c0), np.zeros(c1 - c0)
+    bsd, bsx = np.empty(c1 - c0), np.empty(c1 - c0)
+    for j in range((A + rows - 1) // rows):  # the blocks in order, as combine_channels_first
+        _short_block_sums(x2, d2, y2, B, lane_mean, None, j * rows, min(A, j * rows + rows),
+                          c0, c1, bsd, bsx)
+        for c in range(c1 - c0):
+            sd[c] += bsd[c]
+            sx[c] += bsx[c]
     for c in range(c0, c1):
-        sd = sx = 0.0
-        for i in range((c - c0) * B, (c - c0 + 1) * B):
-            sd += psd[i]
-            sx += psx[i]
-        partial[j, 0, c, 0], partial[j, 0, c, 1] = sd, sx
+        sum_dy[c], sum_dy_xmu[c] = sd[c - c0], sx[c - c0]
+        _train_coefficients(sd[c - c0], sx[c - c0], invstd[c], weight[c], count, mean[c], coef,
+                            c)
+    ys, part = _with_scratch(y, B), _with_scratch(aux, (c1 - c0) * B)
+    for a in range(A):
+        _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, part, coef)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -616,6 +673,14 @@ def backward_fused(n, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg
 
 
 @njit(parallel=True, **_JIT)
+def backward_fused_short(n, x, dy, y, out, aux, mean, invstd, weight, count, rows, group,
+                         sum_dy, sum_dy_xmu, coef):
+    for g in prange(n):
+        backward_fused_short_item(np.int64(g), x, dy, y, out, aux, mean, invstd, weight, count,
+                                  rows, group, sum_dy, sum_dy_xmu, coef)
+
+
+@njit(parallel=True, **_JIT)
 def forward_fused(n, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var, coef):
     for c in prange(n):
         forward_fused_item(np.int64(c), x, z, out, aux, weight, bias, eps, count, rows, seg, mean,
@@ -676,6 +741,14 @@ def backward_fused_serial(n, x, dy, y, out, aux, mean, invstd, weight, count, ro
     for c in range(n):
         backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg,
                             sum_dy, sum_dy_xmu, coef)
+
+
+@njit(**_JIT)
+def backward_fused_short_serial(n, x, dy, y, out, aux, mean, invstd, weight, count, rows, group,
+                                sum_dy, sum_dy_xmu, coef):
+    for g in range(n):
+        backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count, rows,
+                                  group, sum_dy, sum_dy_xmu, coef)
 
 
 @njit(**_JIT)
