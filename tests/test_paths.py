@@ -149,8 +149,9 @@ def test_fused_short_groups():
 
 def test_l2_cache_size_from_sysfs(tmp_path):
     """fused_group_elements' default comes from the L2 size the OS reports (or 1 MiB)."""
-    for index, (level, kind, size) in enumerate([("1", "Data", "48K"), ("1", "Instruction", "32K"),
-                                                 ("2", "Unified", "1280K"), ("3", "Unified", "32M")]):
+    caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "1280K"),
+              ("3", "Unified", "32M")]
+    for index, (level, kind, size) in enumerate(caches):
         folder = tmp_path / f"index{index}"
         folder.mkdir()
         for name, text in (("level", level), ("type", kind), ("size", size)):

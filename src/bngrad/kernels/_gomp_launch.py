@@ -53,8 +53,8 @@ from .. import _gomp
 from . import batchnorm as _items
 from ._cache import HERE, sources_stamp
 
-__all__ = ["backward_fused", "backward_fused_short", "copy_rows", "elementwise_lanes", "elementwise_runs",
-           "forward_fused", "reduce_lanes", "reduce_runs", "reduce_short",
+__all__ = ["backward_fused", "backward_fused_short", "copy_rows", "elementwise_lanes",
+           "elementwise_runs", "forward_fused", "reduce_lanes", "reduce_runs", "reduce_short",
            "transpose_last_two"]
 
 # Chunks per thread of the dynamic schedule: enough that a thread preempted mid-launch leaves

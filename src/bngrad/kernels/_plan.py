@@ -42,13 +42,13 @@ def l2_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache",
                    default: int = 1 << 20) -> int:
     """The first CPU's level-2 (data or unified) cache size, from Linux's sysfs; ``default``
     where it cannot be read (another OS, a container hiding it)."""
+    def read(index: str, name: str) -> str:
+        with open(os.path.join(root, index, name)) as f:
+            return f.read().strip()
     try:
         for index in sorted(os.listdir(root)):
-            def read(name: str) -> str:
-                with open(os.path.join(root, index, name)) as f:
-                    return f.read().strip()
-            if read("level") == "2" and read("type") in ("Data", "Unified"):
-                size = read("size")  # e.g. "1024K"
+            if read(index, "level") == "2" and read(index, "type") in ("Data", "Unified"):
+                size = read(index, "size")  # e.g. "1024K"
                 scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
                 return int(size.rstrip("KM")) * scale
     except (OSError, ValueError):
