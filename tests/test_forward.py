@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 
 import bngrad
-from bngrad import reference
+from bngrad import kernels, reference
 from conftest import (BF16, DTYPE_VARIANT, DTYPE_VARIANTS, F16, F32, F64, HALF, LAYOUTS, SHAPES,
                       channel_axes, from_torch, is_dense, make_data,
                       memory_order, quantize, to_layout, to_torch)
-from tolerances import assert_close, assert_dtype
+from tolerances import assert_bitwise_equal, assert_close, assert_dtype
 
 PARAM_OPTIONS = list(itertools.product((True, False), (True, False)))  # (affine, running stats)
 
@@ -254,3 +254,26 @@ def test_forward_matches_torch(shape, layout, variant, train, affine):
     assert_close(rm, from_torch(t_rm), rm.dtype, "running_mean vs PyTorch", factor=2,
                  scale=1.0)
     assert_close(rv, from_torch(t_rv), rv.dtype, "running_var vs PyTorch", factor=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+def test_running_update_is_numpys_expression_bitwise(dtype):
+    """kernels.update_running_stats (compiled for float32/float64) gives the bits of NumPy's
+    ``(1 - momentum) * running + momentum * batch`` on the running statistic's dtype, the
+    variance's batch statistic unbiased (NaN for a count of 1), NaN and inf passing."""
+    dt = {"float32": F32, "float64": F64, "float16": F16, "bfloat16": BF16}[dtype]
+    rng = np.random.default_rng(5)
+    mean, var = rng.normal(0, 3, 64), rng.uniform(0, 5, 64)
+    mean[:3], var[3:5] = (np.nan, np.inf, -np.inf), (np.nan, np.inf)
+    for momentum in (0.1, 0.01, 1 / 3, 0.0, 1.0, 0.123456789):
+        for count in (1, 2, 7, 1000003):
+            start_mean = rng.normal(0, 2, 64).astype(dt)
+            start_var = rng.uniform(0, 4, 64).astype(dt)
+            rm, rv = start_mean.copy(), start_var.copy()
+            with np.errstate(invalid="ignore", over="ignore"):  # inf * 0, as in the forward
+                kernels.update_running_stats(rm, rv, mean, var, momentum, count)
+                unbiased = var * count / (count - 1) if count > 1 else np.full(64, np.nan)
+                expect_mean = ((1 - momentum) * start_mean + momentum * mean).astype(dt)
+                expect_var = ((1 - momentum) * start_var + momentum * unbiased).astype(dt)
+            assert_bitwise_equal(rm, expect_mean, f"running_mean {momentum} {count}")
+            assert_bitwise_equal(rv, expect_var, f"running_var {momentum} {count}")

@@ -219,12 +219,9 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
                 fused = kernels.forward_train(layout.kernel, layout.x, out_kernel, scale_weight,
                                               shift_bias, eps, count, compute, z, mask_kernel)
                 mean, var = fused if fused is not None else _moments(layout, input, axis, count)
-            if running_mean is not None and count > 0:
-                running_mean[...] = (1 - momentum) * running_mean + momentum * mean
-            if running_var is not None and count > 0:
-                # count 1: 0/0, NaN, as in PyTorch
-                unbiased = var * count / (count - 1) if count > 1 else np.full(n_channels, np.nan)
-                running_var[...] = (1 - momentum) * running_var + momentum * unbiased
+            if count > 0:
+                kernels.update_running_stats(running_mean, running_var, mean, var, momentum,
+                                             count)
         else:  # normalised with the running statistics (as _eval_stats)
             mean, var = running_mean.astype(np.float64), running_var.astype(np.float64)
         invstd, coef = kernels.normalize_coefficients(mean, var, eps, scale_weight, shift_bias,

@@ -36,7 +36,7 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "Ker
            "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
            "copy_rows", "elementwise", "forced_path", "forward_train", "moments",
            "normalize_coefficients", "override", "plan", "reduce", "reduce_block_rows",
-           "train_coefficients", "transpose_last_two"]
+           "train_coefficients", "transpose_last_two", "update_running_stats"]
 
 # Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
 # of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them in parallel (the
@@ -240,6 +240,26 @@ def moments(shift: np.ndarray, sum_d: np.ndarray, sum_d2: np.ndarray, count: int
     mean, var = np.empty(len(shift)), np.empty(len(shift))
     k.finish_moments(shift, sum_d, sum_d2, float(count), mean, var)
     return mean, var
+
+
+def update_running_stats(running_mean: Optional[np.ndarray], running_var: Optional[np.ndarray],
+                         mean: np.ndarray, var: np.ndarray, momentum: float, count: int) -> None:
+    """running = (1 - momentum) * running + momentum * batch statistic, in place (None:
+    skipped), exactly as NumPy evaluates it on the running statistic's dtype; the variance's
+    batch statistic is unbiased (count 1: NaN, as in PyTorch). float32 and float64 in one
+    compiled call each (kernels.batchnorm.update_running), halves by NumPy."""
+    for running, stat, unbiased in ((running_mean, mean, False), (running_var, var, True)):
+        if running is None:
+            continue
+        if running.dtype in _COMPILED_STATS:
+            k.update_running(running, stat, float(momentum), int(count), unbiased)
+        else:
+            batch = (stat if not unbiased else stat * count / (count - 1) if count > 1
+                     else np.full(len(stat), np.nan))
+            running[...] = (1 - momentum) * running + momentum * batch
+
+
+_COMPILED_STATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
 
 
 def normalize_coefficients(mean: np.ndarray, var: np.ndarray, eps: float, weight: np.ndarray,

@@ -831,3 +831,31 @@ def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
         coef[PROJ, c] = 0.0
         coef[BIAS, c] = bias[c]
         coef[MEAN, c] = mean[c]
+
+
+def _like(array: Any, value: Any) -> Any:
+    """``value`` as a scalar of ``array``'s dtype (jitted)."""
+    raise NotImplementedError
+
+
+@overload(_like, inline="always")
+def _like_impl(array, value):
+    dtype = array.dtype
+    return lambda array, value: dtype(value)
+
+
+# The running statistics' update (bngrad.api), in one call per statistic for float32 and
+# float64 running statistics: four NumPy operations on (C,) vectors cost more than a small
+# call's kernels. The same IEEE operations as NumPy's ``(1 - momentum) * running + momentum *
+# batch`` on a ``running`` of that dtype (the Python float is rounded to the dtype and the
+# product taken in it; the sum in float64, rounded once more when stored), so the same bits.
+@njit(**_JIT)
+def update_running(running, stat, momentum, count, unbiased):
+    """running = (1 - momentum) * running + momentum * batch, batch = stat, or with
+    ``unbiased`` stat * count / (count - 1) (NaN for count 1, as in PyTorch)."""
+    keep = _like(running, 1.0 - momentum)
+    for c in range(running.shape[0]):
+        batch = stat[c]
+        if unbiased:
+            batch = batch * count / (count - 1) if count > 1 else np.nan
+        running[c] = np.float64(keep * running[c]) + momentum * batch
