@@ -135,6 +135,9 @@ def test_path_depends_on_threads_only_through_fusing():
     assert _plan._plan((3, 20, 300), 8, cfg, None).path == "runs"
     assert _plan._plan((4, 20, 49), 1, cfg, None).path == "fused_short"
     assert _plan._plan((4, 20, 49), 8, cfg, None).path == "short"
+    # many rows: the group would not stay in cache (Config.fused_short_max_rows)
+    assert _plan._plan((64, 20, 49), 1, cfg, None).path == "fused_short"
+    assert _plan._plan((65, 20, 49), 1, cfg, None).path == "short"
 
 
 def test_fused_short_groups():

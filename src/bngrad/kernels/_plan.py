@@ -9,7 +9,7 @@ cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with example
 - ``short``: runs of ``short_run..fused_min_run``, an item per group of whole channels;
 - ``fused_short``: as ``short``, but the training backward reduces a group of channels (about
   ``fused_group_elements`` elements) and writes it while it is in cache, if ``C >=
-  fused_channels_per_thread * threads``;
+  fused_channels_per_thread * threads`` and ``A <= fused_short_max_rows``;
 - ``runs``: longer runs, an item per tile (reductions) or run segment (elementwise);
 - ``fused``: as ``runs``, but the training backward (and float64's forward) reduces a channel
   and writes it while it is in cache, if ``C >= fused_channels_per_thread * threads``.
@@ -73,6 +73,9 @@ class Config:
     fused_channels_per_thread: int = 4  # fewer channels per thread leave threads idle: no fusing
     # elements of x per fused_short item: its float32 x and dy fill the L2 cache (one core's)
     fused_group_elements: int = l2_cache_bytes() // 8
+    # and at most this many rows: a group's rows lie a sample apart in memory, and more of them
+    # conflict in the cache before the group is written (docs/internals.md)
+    fused_short_max_rows: int = 64
     # elements whose serial work costs about one parallel launch (waking the pool): smaller
     # calls run serially (runs_serial scales it by the threads; docs/internals.md)
     serial_elements: int = 1 << 16
@@ -244,8 +247,8 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     A, C, B = shape
     rows, seg = (1, cfg.tile) if B >= cfg.tile else (max(1, cfg.tile // max(B, 1)), max(B, 1))
     fuses = C >= cfg.fused_channels_per_thread * threads
-    path = forced or (("fused_short" if fuses else "short") if B < cfg.fused_min_run
-                      else "fused" if fuses else "runs")
+    path = forced or (("fused_short" if fuses and A <= cfg.fused_short_max_rows else "short")
+                      if B < cfg.fused_min_run else "fused" if fuses else "runs")
     # fused_short: groups of about fused_group_elements, and at least fused_channels_per_thread
     # groups per thread where there are channels enough (which group cannot change a bit)
     fused_group = max(1, min(cfg.fused_group_elements // max(A * B, 1),
