@@ -21,6 +21,10 @@ from bngrad.errors import ArgumentValueError
 from bngrad.torch.sync import CollectiveError, SyncBatchNorm, combine_moments
 from tolerances import assert_bitwise_equal, assert_close, backward_scales
 
+# make test runs these alone (the solo marker, pyproject.toml): a group's ranks fail on a 6-second
+# collective timeout, which a second pytest worker's compiling could stretch past
+pytestmark = pytest.mark.solo
+
 GROUP_TIMEOUT_S = 100.0   # the most any group may take; a hang fails the test, never blocks it
 
 _NP = {"float64": np.float64, "float32": np.float32, "float16": np.float16,
