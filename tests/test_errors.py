@@ -14,6 +14,7 @@ import bngrad
 from bngrad import BngradError
 
 F32 = np.float32
+F64 = np.float64
 
 
 def _base(n=4, c=3, s=5):
@@ -347,3 +348,19 @@ def test_torch_batch_norm_given_bngrads_order_is_caught():
     running_mean, running_var = torch.zeros(3), torch.ones(3)
     with pytest.raises(ValueError, match="running_var.*order"):
         bt.batch_norm(x, weight, bias, running_mean, running_var, training=False)
+
+
+@pytest.mark.parametrize("dtype", [F64, F32, np.float16, "bfloat16"])
+def test_running_var_scan_names_the_first_negative_entry(dtype):
+    """The scan (compiled for float32/float64, NumPy for halves) passes NaN and -0.0, and
+    names the first negative entry, also in a strided view."""
+    from bngrad import _validate
+    from bngrad._dtypes import spec
+
+    dtype = spec(dtype).numpy if isinstance(dtype, str) else np.dtype(dtype)
+    values = np.array([np.nan, -0.0, 2.0, -3.0, -np.inf, 4.0]).astype(dtype)
+    _validate.running_var(values[:3])
+    for view, text in ((values, "-3 at channel 3"), (values[::2], "-inf at channel 2"),
+                       (values[::-1], "-inf at channel 1")):
+        with pytest.raises(bngrad.ArgumentValueError, match=text):
+            _validate.running_var(view)

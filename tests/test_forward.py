@@ -277,3 +277,21 @@ def test_running_update_is_numpys_expression_bitwise(dtype):
                 expect_var = ((1 - momentum) * start_var + momentum * unbiased).astype(dt)
             assert_bitwise_equal(rm, expect_mean, f"running_mean {momentum} {count}")
             assert_bitwise_equal(rv, expect_var, f"running_var {momentum} {count}")
+
+
+@pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])
+@pytest.mark.parametrize("momentum", [0.0, 0.1])
+def test_inf_and_nan_data_warn_nothing(variant, momentum):
+    """inf/NaN input gives NaN statistics (as in PyTorch) silently: the kernels do not warn and
+    the NumPy running update of half statistics (0 * inf with momentum 0) is guarded."""
+    import warnings
+
+    x, w, b, rm, rv = make_forward_case((3, 2, 4), 1, variant, True, True, seed=2)
+    x[1, 0, 2], x[2, 1, 0] = np.inf, np.nan
+    x[0, 1, 0] = -np.inf  # channel 0: mean inf (0 * inf in the update), channel 1: NaN
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for train in (True, False):
+            out, mean, invstd = bngrad.batch_norm_forward(x, w, b, rm, rv, train, momentum)
+            bngrad.batch_norm_backward(x, x, w, rm, rv, mean, invstd, train)
+    assert not np.isfinite(rm.astype(np.float64)).any()  # inf (0 * inf: NaN), NaN

@@ -17,6 +17,7 @@ import numpy as np
 from . import _dtypes
 from ._dtypes import is_half
 from .errors import ArgumentTypeError, ArgumentValueError
+from .kernels.batchnorm import first_negative
 
 # The dtype facts live in bngrad._dtypes. These constants remain for the modules that import
 # them from here (bngrad.dsp).
@@ -29,6 +30,7 @@ _DTYPE_NAMES = _dtypes.NAMES_TEXT
 # int, float or bool) is decided first by exact type and hashed lookups; anything else takes
 # the general path, which gives the same answers and all the messages.
 _SUPPORTED = frozenset(SUPPORTED_DTYPES)
+_SCANNED = frozenset((FLOAT32, FLOAT64))  # running_var's scan is compiled for these
 _PARAM_DTYPES = {s.numpy: frozenset(s.param_dtypes) for s in _dtypes.DTYPES}
 
 
@@ -160,20 +162,21 @@ def running_var(value: Optional[np.ndarray]) -> None:
     """
     if value is None:
         return
-    if value.dtype == BFLOAT16:
-        with np.errstate(invalid="ignore"):  # NaN in bfloat16 warns when compared (NumPy's
-            negative = np.flatnonzero(value < 0)  # own dtypes do not: no errstate for them)
-    elif not (value < 0).any():
-        return
+    if value.dtype in _SCANNED:
+        c = first_negative(value)
+        if c < 0:
+            return
     else:
-        negative = np.flatnonzero(value < 0)
-    if negative.size:
+        with np.errstate(invalid="ignore"):  # NaN in bfloat16 warns when compared
+            negative = np.flatnonzero(value < 0)
+        if not negative.size:
+            return
         c = negative[0]
-        raise ArgumentValueError(
-            f"running_var: expected variances >= 0, got {float(value[c]):g} at channel {c}. "
-            "Check the argument order: bngrad.batch_norm_forward takes (input, weight, bias, "
-            "running_mean, running_var), unlike F.batch_norm's (input, running_mean, "
-            "running_var, weight, bias); pass them by keyword to be sure")
+    raise ArgumentValueError(
+        f"running_var: expected variances >= 0, got {float(value[c]):g} at channel {c}. "
+        "Check the argument order: bngrad.batch_norm_forward takes (input, weight, bias, "
+        "running_mean, running_var), unlike F.batch_norm's (input, running_mean, "
+        "running_var, weight, bias); pass them by keyword to be sure")
 
 
 def save_stats(save_mean: Any, save_invstd: Any) -> tuple[Any, Any]:

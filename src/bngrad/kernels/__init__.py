@@ -19,7 +19,7 @@ import contextlib
 import math
 import threading
 import types
-from typing import Any, ContextManager, Iterator, Optional, Protocol, Tuple, Union
+from typing import Any, ContextManager, Iterable, Iterator, Optional, Protocol, Tuple, Union
 
 import numpy as np
 
@@ -125,15 +125,19 @@ def _rows(a: Optional[Operand], r0: int, r1: int) -> Optional[np.ndarray]:
 
 
 def _row_ranges(start: int, stop: int, align: int, *operands: Optional[Operand]
-                ) -> Iterator[tuple[int, int]]:
+                ) -> Iterable[tuple[int, int]]:
     """Rows start..stop-1 in one range, or, where an operand is a RowSource, in chunks of a
     multiple of ``align`` rows (a reduction's row blocks, so that every block and every sum
     is the whole array's) making at most Config.copy_chunk_bytes of rows each (or one block);
     of whole units of the sources (which they copy whole) where such chunks fit the budget."""
     sources = [a for a in operands if a is not None and not isinstance(a, np.ndarray)]
     if not sources:
-        yield start, stop
-        return
+        return ((start, stop),)
+    return _chunks(start, stop, align, sources)
+
+
+def _chunks(start: int, stop: int, align: int, sources: list[RowSource]
+            ) -> Iterator[tuple[int, int]]:
     budget, row_bytes = config().copy_chunk_bytes, sum(a.row_bytes for a in sources)
     whole_units = math.lcm(align, *(a.unit for a in sources))
     if whole_units * row_bytes <= budget:
@@ -167,6 +171,10 @@ def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
     np.repeat and np.tile cost several microseconds each, on every small call)."""
     if piece.spread is None:
         return values
+    if values.ndim == 1:  # (the common case, without the reshapes)
+        lanes = np.empty(piece.lanes, values.dtype)
+        k.spread_lanes(values[None], piece.spread == "repeat", piece.times, lanes[None])
+        return lanes
     rows = values.reshape(-1, values.shape[-1])
     lanes = np.empty((rows.shape[0], piece.lanes), values.dtype)
     k.spread_lanes(rows, piece.spread == "repeat", piece.times, lanes)
@@ -254,9 +262,10 @@ def update_running_stats(running_mean: Optional[np.ndarray], running_var: Option
         if running.dtype in _COMPILED_STATS:
             k.update_running(running, stat, float(momentum), int(count), unbiased)
         else:
-            batch = (stat if not unbiased else stat * count / (count - 1) if count > 1
-                     else np.full(len(stat), np.nan))
-            running[...] = (1 - momentum) * running + momentum * batch
+            with np.errstate(invalid="ignore"):  # inf statistics: NaN without a warning
+                batch = (stat if not unbiased else stat * count / (count - 1) if count > 1
+                         else np.full(len(stat), np.nan))
+                running[...] = (1 - momentum) * running + momentum * batch
 
 
 _COMPILED_STATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
