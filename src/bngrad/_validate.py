@@ -185,8 +185,10 @@ def save_stats(save_mean: Any, save_invstd: Any) -> tuple[Any, Any]:
     Empty (0,) arrays, as an eval-mode forward returns them (here and in PyTorch), mean
     "none". One without the other is a mistake, not a request to recompute both.
     """
-    save_mean, save_invstd = (None if isinstance(v, np.ndarray) and v.shape == (0,) else v
-                              for v in (save_mean, save_invstd))
+    if isinstance(save_mean, np.ndarray) and save_mean.shape == (0,):
+        save_mean = None
+    if isinstance(save_invstd, np.ndarray) and save_invstd.shape == (0,):
+        save_invstd = None
     if (save_mean is None) != (save_invstd is None):
         given, missing = (("save_mean", "save_invstd") if save_invstd is None
                           else ("save_invstd", "save_mean"))

@@ -166,6 +166,16 @@ def _piece_view(rows: Optional[np.ndarray], piece: LanePiece) -> Optional[np.nda
     return rows.reshape(-1, piece.lanes)
 
 
+def _piece_rows(a: Optional[np.ndarray], piece: LanePiece) -> Optional[np.ndarray]:
+    """All rows of a piece of canonical array ``a`` as its rows of lanes (_piece_view of
+    _rows, without the slice where the piece is the whole array: a small call's case)."""
+    if a is None:
+        return None
+    if piece.start or piece.stop != a.shape[0]:
+        a = a[piece.start:piece.stop]
+    return a if piece.spread is None else a.reshape(-1, piece.lanes)
+
+
 def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
     """Per-channel values (C,) or (rows, C) -> per-lane values (..., lanes) (one compiled call:
     np.repeat and np.tile cost several microseconds each, on every small call)."""
@@ -194,21 +204,25 @@ def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray
     C = x.shape[1]
     sums = (np.zeros(C), np.zeros(C))
     if plan.path == "lanes":
+        arrays = isinstance(x, np.ndarray) and isinstance(dy, (np.ndarray, type(None)))
         for piece in plan.reduce_pieces:
             L = piece.lanes
             block = piece.rows * (piece.times if piece.spread == "tile" else 1)  # x's rows
             lane_mean = _spread(mean, piece)
             lane_shift = (lane_mean if shift is mean else None if shift is None
                           else _spread(shift, piece))
-            py = _piece_aux(y, piece, C)
+            py = None if y is None else _piece_aux(y, piece, C)
             partial, buffer = _partial_sums((_ceil_div(piece.stop - piece.start, block), 2, L))
             try:
                 for r0, r1 in _row_ranges(piece.start, piece.stop, block, x, dy):
-                    px = _piece_view(_rows(x, r0, r1), piece)
-                    pdy = _piece_view(_rows(dy, r0, r1), piece)
-                    assert px is not None
-                    j0 = (r0 - piece.start) // block
-                    part = partial[j0:j0 + _ceil_div(px.shape[0], piece.rows)]
+                    if arrays:  # one range, all rows
+                        px, pdy, part = _piece_rows(x, piece), _piece_rows(dy, piece), partial
+                    else:
+                        px = _piece_view(_rows(x, r0, r1), piece)
+                        pdy = _piece_view(_rows(dy, r0, r1), piece)
+                        assert px is not None
+                        j0 = (r0 - piece.start) // block
+                        part = partial[j0:j0 + _ceil_div(px.shape[0], piece.rows)]
                     n = part.shape[0] * _ceil_div(L, piece.cols)
                     launcher(plan.serial, n).reduce_lanes(n, px, pdy, py, lane_mean, lane_shift,
                                                           piece.rows, piece.cols, part)
@@ -293,7 +307,7 @@ def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
     its first element (rows start:stop of (M, C); "repeat" pieces start at 0)."""
     if isinstance(aux, tuple):
         return aux[0], aux[1] + piece.start * C
-    return _piece_view(_rows(aux, piece.start, piece.stop), piece)
+    return _piece_rows(aux, piece)
 
 
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
@@ -312,10 +326,11 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
         return
     if plan.path == "lanes":
         for piece in plan.elemt_pieces:
-            px, pdy, pz, pout = (_piece_view(_rows(a, piece.start, piece.stop), piece)
-                                 for a in (x, dy, z, out))
-            py, paux = (_piece_aux(a, piece, out.shape[1]) for a in (y, aux))
+            pout = _piece_rows(out, piece)
             assert pout is not None
+            px, pdy, pz = _piece_rows(x, piece), _piece_rows(dy, piece), _piece_rows(z, piece)
+            py = None if y is None else _piece_aux(y, piece, out.shape[1])
+            paux = None if aux is None else _piece_aux(aux, piece, out.shape[1])
             M, L = pout.shape
             n = _ceil_div(M, piece.rows) * _ceil_div(L, piece.cols)
             launcher(plan.serial, n).elementwise_lanes(n, px, pdy, py, pz, pout, paux,
