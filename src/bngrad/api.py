@@ -201,8 +201,8 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
     layout = plan(input, None, axis, resolve_num_threads(threads),
                   chunked=side_input is None and relu is None)
-    with kernels.region(layout.kernel):  # (inf data gives NaN, as in torch, without warnings:
-        # the kernels do not warn, and the one NumPy expression that could is guarded there)
+    # inf data gives NaN, as in torch, and no warning: the kernels never warn (no errstate here)
+    with kernels.region(layout.kernel):
         out_kernel, output = layout.output(input.shape, input.dtype, out)
         z = None if side_input is None else layout.canonical(side_input)
         mask_kernel: kernels.Aux = None
