@@ -166,11 +166,12 @@ def _piece_view(rows: Optional[np.ndarray], piece: LanePiece) -> Optional[np.nda
     return rows.reshape(-1, piece.lanes)
 
 
-def _piece_rows(a: Optional[np.ndarray], piece: LanePiece) -> Optional[np.ndarray]:
+def _piece_rows(a: Optional[Operand], piece: LanePiece) -> Optional[np.ndarray]:
     """All rows of a piece of canonical array ``a`` as its rows of lanes (_piece_view of
     _rows, without the slice where the piece is the whole array: a small call's case)."""
     if a is None:
         return None
+    assert isinstance(a, np.ndarray)  # (sources of rows are taken a chunk at a time)
     if piece.start or piece.stop != a.shape[0]:
         a = a[piece.start:piece.stop]
     return a if piece.spread is None else a.reshape(-1, piece.lanes)
