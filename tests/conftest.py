@@ -355,6 +355,23 @@ def rng():
     return np.random.default_rng(12345)
 
 
+@pytest.fixture
+def native_convolutions():
+    """PyTorch's own convolutions instead of oneDNN's, for tests whose models (the oracle as
+    much as bngrad's) hold a 1x1 stride-2 convolution: with torch 2.13 on a CPU without
+    AVX-512, oneDNN's backward of one on channels_last data returns weight gradients off by
+    O(10) on 2 threads and corrupts the heap on 1 (measured on an AVX2 AMD EPYC; either
+    memory format of the incoming gradient)."""
+    import torch
+
+    before = torch.backends.mkldnn.enabled  # (not mkldnn.flags(): it warns about TF32)
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
+
+
 # --------------------------------------------------------------------------- shared checks
 
 def check_backward(case: Case, result=None, *, num_threads=None) -> tuple:

@@ -18,6 +18,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))
 import models  # noqa: E402
 
+# their models have 1x1 stride-2 shortcut convolutions (conftest.native_convolutions)
+pytestmark = pytest.mark.usefixtures("native_convolutions")
+
 LAYOUTS = {"contiguous": torch.contiguous_format, "channels_last": torch.channels_last}
 # name: (builder at a tiny width, classes, input size); batch 4
 TINY = {"resnet18": (lambda: models.resnet18(10, width=8), 10, 32),

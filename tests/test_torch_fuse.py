@@ -24,6 +24,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
                                 "benchmarks"))
 import models  # noqa: E402  (benchmarks/models.py: ResNet-18 / ResNet-20)
 
+# their models have 1x1 stride-2 shortcut convolutions (conftest.native_convolutions)
+pytestmark = pytest.mark.usefixtures("native_convolutions")
+
 FUSED_RELU = (bt.BatchNormReLU1d, bt.BatchNormReLU2d, bt.BatchNormReLU3d)
 FUSED_ADD = (bt.BatchNormAddReLU1d, bt.BatchNormAddReLU2d, bt.BatchNormAddReLU3d)
 LAYOUTS = {"contig": torch.contiguous_format, "chlast": torch.channels_last}

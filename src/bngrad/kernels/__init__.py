@@ -192,6 +192,18 @@ def _spread(values: np.ndarray, piece: LanePiece) -> np.ndarray:
     return lanes.reshape(values.shape[:-1] + (piece.lanes,))
 
 
+def _lane_chunks(piece: LanePiece, block: int, x: Operand, dy: Optional[Operand],
+                 partial: np.ndarray) -> Iterator[tuple]:
+    """(x rows, dy rows, their partial sums) of a lanes piece a chunk at a time, for sources of
+    rows (each chunk is made when the previous one is done with)."""
+    for r0, r1 in _row_ranges(piece.start, piece.stop, block, x, dy):
+        px = _piece_view(_rows(x, r0, r1), piece)
+        assert px is not None
+        j0 = (r0 - piece.start) // block
+        yield (px, _piece_view(_rows(dy, r0, r1), piece),
+               partial[j0:j0 + _ceil_div(px.shape[0], piece.rows)])
+
+
 def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray,
            shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (None: 0,
@@ -212,18 +224,12 @@ def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray
             lane_mean = _spread(mean, piece)
             lane_shift = (lane_mean if shift is mean else None if shift is None
                           else _spread(shift, piece))
-            py = None if y is None else _piece_aux(y, piece, C)
+            py = _piece_aux(y, piece, C)
             partial, buffer = _partial_sums((_ceil_div(piece.stop - piece.start, block), 2, L))
             try:
-                for r0, r1 in _row_ranges(piece.start, piece.stop, block, x, dy):
-                    if arrays:  # one range, all rows
-                        px, pdy, part = _piece_rows(x, piece), _piece_rows(dy, piece), partial
-                    else:
-                        px = _piece_view(_rows(x, r0, r1), piece)
-                        pdy = _piece_view(_rows(dy, r0, r1), piece)
-                        assert px is not None
-                        j0 = (r0 - piece.start) // block
-                        part = partial[j0:j0 + _ceil_div(px.shape[0], piece.rows)]
+                chunks = (((_piece_rows(x, piece), _piece_rows(dy, piece), partial),) if arrays
+                          else _lane_chunks(piece, block, x, dy, partial))
+                for px, pdy, part in chunks:
                     n = part.shape[0] * _ceil_div(L, piece.cols)
                     launcher(plan.serial, n).reduce_lanes(n, px, pdy, py, lane_mean, lane_shift,
                                                           piece.rows, piece.cols, part)
@@ -304,8 +310,8 @@ def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -
 
 
 def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
-    """The piece's part of ``aux``: its view, or for mask bits (bits, start) the flat index of
-    its first element (rows start:stop of (M, C); "repeat" pieces start at 0)."""
+    """The piece's part of ``aux``: None, its view, or for mask bits (bits, start) the flat
+    index of its first element (rows start:stop of (M, C); "repeat" pieces start at 0)."""
     if isinstance(aux, tuple):
         return aux[0], aux[1] + piece.start * C
     return _piece_rows(aux, piece)
@@ -330,8 +336,7 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
             pout = _piece_rows(out, piece)
             assert pout is not None
             px, pdy, pz = _piece_rows(x, piece), _piece_rows(dy, piece), _piece_rows(z, piece)
-            py = None if y is None else _piece_aux(y, piece, out.shape[1])
-            paux = None if aux is None else _piece_aux(aux, piece, out.shape[1])
+            py, paux = _piece_aux(y, piece, out.shape[1]), _piece_aux(aux, piece, out.shape[1])
             M, L = pout.shape
             n = _ceil_div(M, piece.rows) * _ceil_div(L, piece.cols)
             launcher(plan.serial, n).elementwise_lanes(n, px, pdy, py, pz, pout, paux,
