@@ -284,7 +284,7 @@ def _unpack8(typingctx, bits, j, mask, i):
     return types.void(bits, j, mask, i), _unpack_codegen(8)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _unpack_bits(bits, start, n, mask):
     """mask[0:n] = the bits of flat elements start..start+n-1 as 0/1 bytes."""
     head = min(n, -start % 8)
