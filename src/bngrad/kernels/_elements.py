@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import types
 from numba.extending import intrinsic, overload
 
 from .. import _dtypes
@@ -46,35 +46,36 @@ def _float32_to_half_bits(typingctx, value):
     return types.int16(types.float32), codegen
 
 
-@intrinsic
-def _uint32_as_float32(typingctx, bits):
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-    return types.float32(types.uint32), codegen
-
+# bfloat16 in LLVM IR on 32-bit integers: written in Python, Numba's typing would widen the
+# uint32 arithmetic to 64 bits, halving the vector lanes (and the speed of a bfloat16 pass).
 
 @intrinsic
-def _float32_as_uint32(typingctx, value):
+def _bf16_bits_to_float32(typingctx, bits):
     def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-    return types.uint32(types.float32), codegen
+        wide = builder.zext(args[0], ir.IntType(32))
+        return builder.bitcast(builder.shl(wide, ir.Constant(ir.IntType(32), 16)),
+                               ir.FloatType())
+    return types.float32(types.uint16), codegen
 
 
-@njit(inline="always")
-def _bf16_bits_to_float32(bits):
-    return _uint32_as_float32(np.uint32(bits) << np.uint32(16))
-
-
-@njit(inline="always")
-def _float32_to_bf16_bits(value):
+@intrinsic
+def _float32_to_bf16_bits(typingctx, value):
     # Branch-free, so that loops storing bfloat16 vectorise: round to nearest even, except
-    # that a NaN keeps its top bits and is made quiet.
-    bits = _float32_as_uint32(value)
-    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-    quiet_nan = (bits >> np.uint32(16)) | np.uint32(0x40)
-    is_nan = np.uint32((bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000))
-    nan_mask = np.uint32(0) - is_nan  # all ones for NaN, else zero
-    return np.uint16((quiet_nan & nan_mask) | (rounded & ~nan_mask))
+    # that a NaN keeps its top bits and is made quiet. (No overflow: below NaN, bits + 0x8000
+    # fits 32 bits.)
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+
+        def const(v):
+            return ir.Constant(i32, v)
+        bits = builder.bitcast(args[0], i32)
+        top = builder.lshr(bits, const(16))
+        rounded = builder.lshr(builder.add(builder.add(bits, const(0x7FFF)),
+                                           builder.and_(top, const(1))), const(16))
+        quiet_nan = builder.or_(top, const(0x40))
+        is_nan = builder.fcmp_unordered("uno", args[0], args[0])
+        return builder.trunc(builder.select(is_nan, quiet_nan, rounded), ir.IntType(16))
+    return types.uint16(types.float32), codegen
 
 
 def to_float(value):
