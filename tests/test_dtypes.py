@@ -89,3 +89,50 @@ def test_registry_imports_nothing_of_bngrad():
             assert node.level == 0, "a relative import in bngrad._dtypes"
             imported.add((node.module or "").split(".")[0])
     assert imported <= {"__future__", "dataclasses", "typing", "numpy", "ml_dtypes"}
+
+
+def _codec_kernels():
+    from numba import njit
+
+    from bngrad.kernels._elements import from_float, to_float
+
+    @njit
+    def encode(values, out):
+        for i in range(values.shape[0]):
+            out[i] = from_float(values[i], out)
+
+    @njit
+    def decode(bits, out):
+        for i in range(bits.shape[0]):
+            out[i] = to_float(bits[i])
+    return encode, decode
+
+
+def test_the_kernels_bfloat16_codec_matches_ml_dtypes():
+    """Every 16-bit pattern decodes as ml_dtypes does; float32 patterns (a stride through all
+    2**32, every rounding tie and its neighbours, infinities, the largest finite values)
+    encode as ml_dtypes rounds them; a NaN stays NaN, quiet, with its sign and top bits."""
+    import ml_dtypes
+
+    encode, decode = _codec_kernels()
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    widened = np.empty(every.size, np.float32)
+    decode(every, widened)
+    np.testing.assert_array_equal(widened.view(np.uint32),
+                                  every.view(ml_dtypes.bfloat16).astype(np.float32).view(np.uint32))
+
+    ties = (np.arange(1 << 16, dtype=np.uint32) << 16) | 0x8000
+    special = np.array([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000, 0,
+                        0x80000000, 1, 0x80000001], np.uint32)
+    patterns = np.concatenate([np.arange(0, 1 << 32, 9973, dtype=np.uint64).astype(np.uint32),
+                               ties, ties - 1, ties + 1, special])
+    values = patterns.view(np.float32)
+    bits = np.empty(values.size, np.uint16)
+    encode(values, bits)
+    finite_or_inf = ~np.isnan(values)
+    with np.errstate(over="ignore"):
+        expected = values[finite_or_inf].astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(bits[finite_or_inf], expected)
+    nan_in = patterns[~finite_or_inf]
+    assert nan_in.size > 1000
+    np.testing.assert_array_equal(bits[~finite_or_inf], (nan_in >> 16) | 0x40)
