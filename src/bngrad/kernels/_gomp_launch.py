@@ -75,8 +75,8 @@ def _borrowed(context, builder, typ, value):
     borrowed view: no meminfo, so that the slices the items take cost no reference counting.
     Counting is an atomic add and subtract on the array's meminfo, one cache line that every
     thread of the team would write for every row or run it slices (measured: a (64, 32, 256)
-    float32 forward 3.7x slower on the team than on one thread). The launcher's caller holds
-    the arrays until the launch returns, as Numba's own parallel loops do."""
+    float32 forward took 1383 us on a team of 2, 345 us on one thread). The launcher's caller
+    holds the arrays until the launch returns, as Numba's own parallel loops do."""
     if isinstance(typ, types.Array):
         array = context.make_array(typ)(context, builder, value)
         array.meminfo = cgutils.get_null_value(array.meminfo.type)
