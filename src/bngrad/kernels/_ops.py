@@ -137,16 +137,13 @@ def _accumulate(dy, x, y, mean, shift):
             d = np.float64(to_float(x)) - shift
             return d, d * d
         return moments
-    if _narrow(x, shift):
+    if narrow_terms(x, shift):
+        if isinstance(mean, types.UniTuple):  # already split (split_mean)
+            return lambda dy, x, y, mean, shift: _narrow_terms(dy, x, y, mean[0], mean[1])
+
         def narrow(dy, x, y, mean, shift):
-            # Half data are exact in float32, and so is their difference from a float32
-            # number near them; the mean (float64) is split into a float32 head and tail, and
-            # the tail is taken off by an fma (one rounding, and no fastmath flags, so that
-            # the reassociating loops cannot fold it into the head): each term is float64's
-            # rounded once to float32.
-            mh = np.float32(mean)
-            d = grad(dy, y)
-            return d, d * _fma(_MINUS_ONE, np.float32(mean - np.float64(mh)), to_float(x) - mh)
+            head = np.float32(mean)
+            return _narrow_terms(dy, x, y, head, np.float32(mean - np.float64(head)))
         return narrow
     if isinstance(shift, types.NoneType):
         def wide(dy, x, y, mean, shift):
@@ -160,11 +157,45 @@ def _accumulate(dy, x, y, mean, shift):
     return wide_shifted
 
 
-def _narrow(x: Any, shift: Any) -> bool:
-    """Whether the terms are float32: half data (int16/uint16 bits) and no shift. The moments
-    (dy = x, a shift) stay float64: with the shift a channel's first element, their variance
-    is a difference of two large sums, which float32 terms would leave ~1e-3 off where that
-    element lies 1000 standard deviations out (tests/test_numerics.py)."""
+@njit(inline="always")
+def _narrow_terms(dy, x, y, head, tail):
+    """accumulate's float32 terms of half data, the mean given as float32 ``head + tail``.
+    Half data are exact in float32, and so is their difference from a float32 number near
+    them; the tail is taken off by an fma (one rounding, and no fastmath flags, so that the
+    reassociating loops cannot fold it into the head): each term is float64's rounded once
+    to float32."""
+    d = grad(dy, y)
+    return d, d * _fma(_MINUS_ONE, tail, to_float(x) - head)
+
+
+@njit(inline="always")
+def split_mean(mean):
+    """float32 (head, tail) of a float64 array: head = float32(mean), tail = float32(mean -
+    head), the split ``accumulate`` makes of a float64 mean for half data. The lane
+    reductions split their lanes' means once per item and pass them instead (``lane``):
+    splitting per element cost halves' lane sums ~13% (benchmarks/results/
+    2026-12-01-session9.txt)."""
+    head = mean.astype(np.float32)
+    return head, (mean - head).astype(np.float32)
+
+
+def lane(mean: Any, index: Any) -> Any:
+    """``mean[index]`` (jitted), or, for a split_mean, (head[index], tail[index])."""
+    raise NotImplementedError
+
+
+@overload(lane, inline="always")
+def _lane(mean, index):
+    if isinstance(mean, types.UniTuple):
+        return lambda mean, index: (mean[0][index], mean[1][index])
+    return lambda mean, index: mean[index]
+
+
+def narrow_terms(x: Any, shift: Any) -> bool:
+    """Whether accumulate's terms are float32: half data (int16/uint16 bits) and no shift.
+    The moments (dy = x, a shift) stay float64: with the shift a channel's first element,
+    their variance is a difference of two large sums, which float32 terms would leave ~1e-3
+    off where that element lies 1000 standard deviations out (tests/test_numerics.py)."""
     return x in (types.int16, types.uint16) and isinstance(shift, types.NoneType)
 
 
@@ -183,7 +214,7 @@ def block_terms(x: Any, shift: Any) -> Any:
 
 @overload(block_terms, inline="always")
 def _block_terms(x, shift):
-    if _narrow(x.dtype, shift):
+    if narrow_terms(x.dtype, shift):
         return lambda x, shift: (256, np.float32(0.0))
     return lambda x, shift: (1 << 62, 0.0)
 

@@ -37,7 +37,7 @@ from numba.extending import intrinsic, overload
 
 from ._cache import install as _install_cache_locator
 from ._ops import (BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, block_terms, elementwise,
-                   finish, take)
+                   finish, lane, narrow_terms, split_mean, take)
 
 _install_cache_locator()  # before the first cached kernel is defined (kernels._cache)
 _JIT: dict[str, Any] = dict(cache=True, nogil=True)
@@ -70,7 +70,7 @@ def _run_sums(xr, dr, yr, m, shift):
 @njit(inline="always", **_JIT)
 def _accumulate_row(x, d, y, mean, shift, psd, psx):
     for c in range(x.shape[0]):
-        p, q = accumulate(take(d, c), x[c], take(y, c), mean[c], take(shift, c))
+        p, q = accumulate(take(d, c), x[c], take(y, c), lane(mean, c), take(shift, c))
         psd[c] += p
         psx[c] += q
 
@@ -78,7 +78,7 @@ def _accumulate_row(x, d, y, mean, shift, psd, psx):
 @njit(inline="always", **_JIT)
 def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, y0, y1, y2, y3, mean, shift, psd, psx):
     for c in range(x0.shape[0]):
-        m, s = mean[c], take(shift, c)
+        m, s = lane(mean, c), take(shift, c)
         p0, q0 = accumulate(take(d0, c), x0[c], take(y0, c), m, s)
         p1, q1 = accumulate(take(d1, c), x1[c], take(y1, c), m, s)
         p2, q2 = accumulate(take(d2, c), x2[c], take(y2, c), m, s)
@@ -517,9 +517,23 @@ def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
     n_groups = (C + group - 1) // group
     j, g = item // n_groups, item % n_groups
     c0, c1 = g * group, min(C, g * group + group)
-    _short_block_sums(x2, d2, y2, B, _lanes_of(mean, c0, c1, B), _lanes_of(shift, c0, c1, B),
+    _short_block_sums(x2, d2, y2, B, _terms_mean(_lanes_of(mean, c0, c1, B), x2, shift),
+                      _lanes_of(shift, c0, c1, B),
                       j * rows, min(A, j * rows + rows), c0, c1, partial[j, 0, c0:c1, 0],
                       partial[j, 0, c0:c1, 1])
+
+
+def _terms_mean(lanes: Any, x: Any, shift: Any) -> Any:
+    """``lanes`` (a mean per lane), split by kernels._ops.split_mean where accumulate's terms
+    of ``x`` with ``shift`` are float32 (jitted)."""
+    raise NotImplementedError
+
+
+@overload(_terms_mean, inline="always")
+def _terms_mean_impl(lanes, x, shift):
+    if narrow_terms(x.dtype, shift):
+        return lambda lanes, x, shift: split_mean(lanes)
+    return lambda lanes, x, shift: lanes
 
 
 def _as_rows(a: Any, A: Any, n: Any) -> Any:
@@ -543,7 +557,7 @@ def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count
     A, C, B = x.shape
     c0, c1 = g * group, min(C, g * group + group)
     x2, d2, y2 = x.reshape((A, C * B)), dy.reshape((A, C * B)), _as_rows(y, A, C * B)
-    lane_mean = _lanes_of(mean, c0, c1, B)
+    lane_mean = _terms_mean(_lanes_of(mean, c0, c1, B), x2, None)
     sd, sx = np.zeros(c1 - c0), np.zeros(c1 - c0)
     bsd, bsx = np.empty(c1 - c0), np.empty(c1 - c0)
     for j in range((A + rows - 1) // rows):  # the blocks in order, as combine_channels_first
@@ -578,8 +592,8 @@ def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
     psd, psx = partial[j, 0, c0:c1], partial[j, 1, c0:c1]
     psd[:] = 0.0
     psx[:] = 0.0
-    _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean[c0:c1], take(shift, slice(c0, c1)), psd,
-                     psx)
+    _accumulate_rows(x, dy, y, r0, r1, c0, c1, _terms_mean(mean[c0:c1], x, shift),
+                     take(shift, slice(c0, c1)), psd, psx)
 
 
 @njit(**_JIT)
