@@ -19,7 +19,8 @@ selects a formula when the kernel is compiled, never at run time:
   mask bit: the stored value is not 0; after the ReLU it is +0, positive or NaN);
 - ``finish``: the value stored in ``out``, with the fused variants' second output ``aux``
   written on the way: the forward's ReLU and mask byte, the backward's grad_side_input. (The
-  forward's mask as bits is packed by kernels.batchnorm's loop, from ``relu_passes``.)
+  forward's mask as bits is packed by kernels.batchnorm's loop from the stored output, as
+  ``relu_passes`` judges it.)
 
 ``(x - MEAN)*PROJ`` is subtracted by one fused multiply-add, after the mean gradient, as
 PyTorch's CPU kernel does (its compiler contracts it): where grad_input cancels (a channel of
@@ -261,7 +262,8 @@ def finish(value: Any, out: Any, aux: Any, i: Any, dy: Any, y: Any) -> Any:
     """``value`` (from elementwise) as an element of ``out``, writing ``aux[i]`` on the way
     (jitted). aux None: nothing else. The forward (dy None): the ReLU is applied and aux[i] is
     its mask byte, 1 where the stored output passes (relu_passes: judged after rounding, so
-    that the mask and y agree). The backward: aux[i] = grad(dy, y), grad_side_input."""
+    that the mask and y agree); aux a tuple (mask bits, which kernels.batchnorm packs from the
+    stored output): the ReLU only. The backward: aux[i] = grad(dy, y), grad_side_input."""
     raise NotImplementedError
 
 
@@ -269,6 +271,8 @@ def finish(value: Any, out: Any, aux: Any, i: Any, dy: Any, y: Any) -> Any:
 def _finish(value, out, aux, i, dy, y):
     if isinstance(aux, types.NoneType):
         return lambda value, out, aux, i, dy, y: from_float(value, out)
+    if isinstance(aux, types.BaseTuple):
+        return lambda value, out, aux, i, dy, y: relu(value, out)
     if isinstance(dy, types.NoneType):
         def relu_and_mask(value, out, aux, i, dy, y):
             stored = relu(value, out)

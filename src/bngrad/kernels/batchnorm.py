@@ -140,11 +140,12 @@ def _atomic_or(typingctx, array, index, value):
     return types.void(array, index, value), codegen
 
 
-# Bits of the forward's mask: the loops write the mask bytes (the "bytes" form, a vectorised
-# loop) into an item's scratch buffer, and the item packs them once it has written a range
-# contiguous in memory (a run segment, a group of whole runs, whole rows of lanes; else each
-# slice): 32 (8) bytes become 4 (1) bytes of bits by one vector compare and bitcast (x86: a
-# move-mask).
+# Bits of the forward's mask: the loops store the ReLU's output only, and the item packs the
+# bits from what it stored (relu_passes: not 0) once it has written a range contiguous in
+# memory (a run segment, a group of whole runs, whole rows of lanes; else each slice), read
+# back from the cache: 32 (8) elements become 4 (1) bytes of bits by one vector compare and
+# bitcast (x86: a move-mask). (Writing mask bytes in the loop and packing those cost a
+# bfloat16 forward a quarter more; benchmarks/results/2026-12-01-session9.txt.)
 
 def _pointers(context, builder, signature, args):
     """(&a[i], &b[j]) for an intrinsic's arguments (a, i, b, j), a and b 1-D arrays."""
@@ -158,10 +159,14 @@ def _pointers(context, builder, signature, args):
 def _pack_codegen(lanes):
     def codegen(context, builder, signature, args):
         src, dst = _pointers(context, builder, signature, args)
-        vector = ir.VectorType(ir.IntType(8), lanes)
+        element = context.get_value_type(signature.args[0].dtype)
+        vector = ir.VectorType(element, lanes)
         loaded = builder.load(builder.bitcast(src, vector.as_pointer()), align=1)
-        word = builder.bitcast(builder.icmp_unsigned("!=", loaded, ir.Constant(vector, None)),
-                               ir.IntType(lanes))
+        zero = ir.Constant(vector, None)
+        passes = (builder.fcmp_unordered("!=", loaded, zero)  # a NaN passes
+                  if isinstance(element, (ir.FloatType, ir.DoubleType))
+                  else builder.icmp_unsigned("!=", loaded, zero))
+        word = builder.bitcast(passes, ir.IntType(lanes))
         builder.store(word, builder.bitcast(dst, ir.IntType(lanes).as_pointer()), align=1)
         return context.get_dummy_value()
     return codegen
@@ -170,7 +175,8 @@ def _pack_codegen(lanes):
 @intrinsic
 def _pack32(typingctx, mask, i, bits, j):
     """bits[j:j+4] = the 32 bits ``mask[i:i+32] != 0``, element i + k at bit k % 8 of byte
-    j + k // 8 (uint8 arrays; x86: one vector compare and a move-mask)."""
+    j + k // 8 (``mask`` of any element type, floats compared unordered: a NaN is not 0;
+    ``bits`` uint8; x86: one vector compare and a move-mask)."""
     return types.void(mask, i, bits, j), _pack_codegen(32)
 
 
@@ -182,16 +188,17 @@ def _pack8(typingctx, mask, i, bits, j):
 
 @njit(inline="always")
 def _pack_few(mask, i0, i1, shift0):
-    """mask[i0:i1] (a few 0/1 bytes) as one byte, mask[i] at bit ``(i + shift0) % 8``."""
+    """``mask[i0:i1] != 0`` (a few elements) as one byte, element i at bit
+    ``(i + shift0) % 8``."""
     acc = np.uint32(0)
     for i in range(i0, i1):
-        acc |= np.uint32(mask[i]) << np.uint32((i + shift0) % 8)
+        acc |= np.uint32(mask[i] != 0) << np.uint32((i + shift0) % 8)
     return np.uint8(acc)
 
 
 @njit(**_JIT)
 def _pack_bits(mask, n, bits, start):
-    """Pack mask bytes mask[0:n] (0/1) as the bits of flat elements start..start+n-1: bytes
+    """Pack ``mask[0:n] != 0`` as the bits of flat elements start..start+n-1: bytes
     of ``bits`` wholly inside the range are stored; the partial bytes at either end are ORed
     in atomically (``bits`` starts zeroed), as a neighbouring range, maybe another item's,
     owns their other bits. OR is order-free: the bits do not depend on who runs first."""
@@ -207,46 +214,46 @@ def _pack_bits(mask, n, bits, start):
         _atomic_or(bits, b0 + body, _pack_few(mask, head + 8 * body, n, start))
 
 
-def _with_scratch(aux: Any, n: Any) -> Any:
-    """An item's ``aux`` or ``y``: mask bits ``(bits, base)`` get a scratch buffer for ``n``
-    mask bytes, ``(bits, base, scratch)``; anything else is itself (jitted)."""
+def _with_scratch(y: Any, n: Any) -> Any:
+    """An item's ``y``: mask bits ``(bits, base)`` get a scratch buffer for ``n`` mask bytes
+    (_relu_record), ``(bits, base, scratch)``; anything else is itself (jitted)."""
     raise NotImplementedError
 
 
 @overload(_with_scratch, inline="always")
-def _with_scratch_impl(aux, n):
-    if isinstance(aux, types.BaseTuple):
-        return lambda aux, n: (aux[0], aux[1], np.empty(n, np.uint8))
-    return lambda aux, n: aux
+def _with_scratch_impl(y, n):
+    if isinstance(y, types.BaseTuple):
+        return lambda y, n: (y[0], y[1], np.empty(n, np.uint8))
+    return lambda y, n: y
 
 
-def _mask_part(aux: Any, index: Any, offset: Any) -> Any:
-    """``aux``'s part for a loop over ``out[index]`` (jitted): None; the array's slice; for
-    mask bits ``(bits, base, scratch)``, the scratch from ``offset`` (the loop writes its mask
-    bytes there, _flush packs them)."""
+def _mask_part(aux: Any, index: Any) -> Any:
+    """``aux``'s part for a loop over ``out[index]`` (jitted): None; the array's slice; mask
+    bits ``(bits, base)`` as they are (the loop applies the ReLU only, kernels._ops.finish,
+    and _flush packs the bits from the output)."""
     raise NotImplementedError
 
 
 @overload(_mask_part, inline="always")
-def _mask_part_impl(aux, index, offset):
-    if isinstance(aux, types.NoneType):
-        return lambda aux, index, offset: None
-    if isinstance(aux, types.BaseTuple):
-        return lambda aux, index, offset: aux[2][offset:]
-    return lambda aux, index, offset: aux[index]
+def _mask_part_impl(aux, index):
+    if isinstance(aux, (types.NoneType, types.BaseTuple)):
+        return lambda aux, index: aux
+    return lambda aux, index: aux[index]
 
 
-def _flush(aux: Any, start: Any, n: Any) -> None:
-    """For mask bits ``(bits, base, scratch)``: pack scratch[0:n] as the bits of flat elements
-    base + start ... (one range contiguous in memory); nothing for other operands (jitted)."""
+def _flush(aux: Any, out: Any, start: Any, n: Any) -> None:
+    """For mask bits ``(bits, base)``: pack the ReLU's passes of out's flat elements
+    start..start+n-1 (one range contiguous in memory, just stored) as the bits of flat
+    elements base + start ...; nothing for other operands (jitted)."""
     raise NotImplementedError
 
 
 @overload(_flush, inline="always")
-def _flush_impl(aux, start, n):
+def _flush_impl(aux, out, start, n):
     if isinstance(aux, types.BaseTuple):
-        return lambda aux, start, n: _pack_bits(aux[2], n, aux[0], aux[1] + start)
-    return lambda aux, start, n: None
+        return lambda aux, out, start, n: _pack_bits(out.reshape(out.size)[start:start + n],
+                                                     n, aux[0], aux[1] + start)
+    return lambda aux, out, start, n: None
 
 
 # The backward's ReLU record as bits (``y`` = (bits, base), the forward's mask): each loop
@@ -433,26 +440,26 @@ def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, m
     mean[c], var[c] = m, v
     coef[SCALE, c] = 1.0 / np.sqrt(v + eps) * weight[c]
     coef[BIAS, c], coef[MEAN, c] = bias[c], m
-    C, part = x.shape[1], _with_scratch(aux, B)
+    C = x.shape[1]
     for r in range(A):
-        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], _mask_part(part, (r, c), 0),
+        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], _mask_part(aux, (r, c)),
              coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
-        _flush(part, (r * C + c) * B, B)
+        _flush(aux, out, (r * C + c) * B, B)
 
 
 @njit(inline="always", **_JIT)
-def _map_runs(a, c0, c1, b0, b1, x, dy, ys, z, out, part, coef):
+def _map_runs(a, c0, c1, b0, b1, x, dy, ys, z, out, aux, coef):
     """out = elementwise(x, dy, y, z) on segment b0:b1 of the runs of channels c0..c1-1 in row
-    a (contiguous in memory: mask bits are packed once); ``ys``, ``part``: the item's ReLU
-    record and second output, with their scratch (_with_scratch)."""
+    a (contiguous in memory: mask bits are packed once); ``ys``: the item's ReLU record with
+    its scratch (_with_scratch), ``aux``: the second output."""
     C, B = out.shape[1], out.shape[2]
     for c in range(c0, c1):
         run = (a, c, slice(b0, b1))
         _map(take(x, run), take(dy, run),
              _relu_record(ys, run, (a * C + c) * B + b0, b1 - b0, 0), take(z, run), out[run],
-             _mask_part(part, run, (c - c0) * (b1 - b0)), coef[SCALE, c], coef[PROJ, c],
-             coef[GRAD_MEAN, c], coef[MEAN, c])
-    _flush(part, (a * C + c0) * B + b0, (c1 - c0) * (b1 - b0))
+             _mask_part(aux, run), coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c],
+             coef[MEAN, c])
+    _flush(aux, out, (a * C + c0) * B + b0, (c1 - c0) * (b1 - b0))
 
 
 @njit(**_JIT)
@@ -467,7 +474,7 @@ def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
     a, g = r // n_groups, r % n_groups
     c0, c1, b1 = g * group, min(C, g * group + group), min(B, b0 + seg)
     _map_runs(a, c0, c1, b0, b1, x, dy, _with_scratch(y, b1 - b0), z, out,
-              _with_scratch(aux, (c1 - c0) * (b1 - b0)), coef)
+              aux, coef)
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 maps): one run at a time spends most of its time in
@@ -570,9 +577,9 @@ def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count
         sum_dy[c], sum_dy_xmu[c] = sd[c - c0], sx[c - c0]
         _train_coefficients(sd[c - c0], sx[c - c0], invstd[c], weight[c], count, mean[c], coef,
                             c)
-    ys, part = _with_scratch(y, B), _with_scratch(aux, (c1 - c0) * B)
+    ys = _with_scratch(y, B)
     for a in range(A):
-        _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, part, coef)
+        _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, aux, coef)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,17 +612,15 @@ def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
     shift, mean = coef[GRAD_MEAN, c0:c1], coef[MEAN, c0:c1]
     L, w = out.shape[1], c1 - c0
     whole = w == L  # the tile is contiguous in memory
-    part = _with_scratch(aux, (r1 - r0) * w if whole else w)
     ys = _with_scratch(y, w)
     for r in range(r0, r1):
         lanes = (r, slice(c0, c1))
         _map(take(x, lanes), take(dy, lanes), _relu_record(ys, lanes, r * L + c0, w, 0),
-             take(z, lanes), out[lanes],
-             _mask_part(part, lanes, (r - r0) * w if whole else 0), scale, proj, shift, mean)
+             take(z, lanes), out[lanes], _mask_part(aux, lanes), scale, proj, shift, mean)
         if not whole:
-            _flush(part, r * L + c0, w)
+            _flush(aux, out, r * L + c0, w)
     if whole:
-        _flush(part, r0 * L, (r1 - r0) * w)
+        _flush(aux, out, r0 * L, (r1 - r0) * w)
 
 
 # ---------------------------------------------------------------------------------------------
