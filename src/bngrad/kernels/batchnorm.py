@@ -644,28 +644,26 @@ def _transpose8_codegen(context, builder, signature, args):
         pointer = cgutils.get_item_pointer(context, builder, array_type, array, [i, j])
         return builder.bitcast(pointer, vector.as_pointer())
 
-    def interleave(a, b, mask):
-        return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(ir.IntType(32), 8), mask))
-
     rows = [builder.load(at(source_type, source, b0, c0, k), align=1) for k in range(8)]
     # three rounds of interleaving: pairs of elements, then pairs of pairs, then halves
     for low, high, step in (([0, 8, 1, 9, 2, 10, 3, 11], [4, 12, 5, 13, 6, 14, 7, 15], 1),
                             ([0, 1, 8, 9, 2, 3, 10, 11], [4, 5, 12, 13, 6, 7, 14, 15], 2),
                             ([0, 1, 2, 3, 8, 9, 10, 11], [4, 5, 6, 7, 12, 13, 14, 15], 4)):
-        rows = _interleaved_round(rows, step, lambda a, b: (interleave(a, b, low),
-                                                            interleave(a, b, high)))
+        rows = _interleaved_round(builder, rows, step, low, high)
     for k in range(8):
         builder.store(rows[k], at(out_type, out, c0, b0, k), align=1)
     return context.get_dummy_value()
 
 
-def _interleaved_round(rows, step, pair):
+def _interleaved_round(builder, rows, step, low, high):
     """One round of the 8 x 8 transpose: rows k and k + step (k in the lower half of each
-    group of 2 * step) interleaved, their two results side by side, pair after pair."""
+    group of 2 * step) shuffled by the ``low`` and ``high`` masks, the two results side by
+    side, pair after pair."""
+    masks = [ir.Constant(ir.VectorType(ir.IntType(32), 8), mask) for mask in (low, high)]
     result = []
     for group in range(0, 8, 2 * step):
         for k in range(group, group + step):
-            result.extend(pair(rows[k], rows[k + step]))
+            result += [builder.shuffle_vector(rows[k], rows[k + step], mask) for mask in masks]
     return result
 
 
