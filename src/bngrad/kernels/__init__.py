@@ -393,12 +393,13 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
 # layout copies (bngrad._layout)
 
 def copy_rows(source: np.ndarray, out: np.ndarray, threads: int) -> None:
-    """out[i, :] = source[i, :], rows in parallel on ``threads`` threads where it pays;
-    ``source`` may have any strides."""
-    n = source.shape[0]
+    """out[i, :] = source[i, :], in blocks of rows of about ``Config.copy_block`` elements,
+    in parallel on ``threads`` threads where it pays; ``source`` may have any strides."""
+    rows = max(1, config().copy_block // max(1, out.shape[1]))
+    n = _ceil_div(out.shape[0], rows)
     run = launcher(runs_serial(out.size, threads), n)
     with _NO_REGION if run is serial else parallel_region(threads):
-        run.copy_rows(n, source, out)
+        run.copy_rows(n, source, out, rows)
 
 
 def transpose_last_two(source: np.ndarray, out: np.ndarray, threads: int) -> None:

@@ -82,6 +82,8 @@ class Config:
     # an array that is not dense in the kernels' order (grad_out in another layout than input, a
     # sliced input) is copied whole if no larger, else this many bytes of rows at a time
     copy_chunk_bytes: int = 1 << 23
+    # elements per work item of such a copy (whole rows; a row per item at the least)
+    copy_block: int = 1 << 12
 
 
 _config = Config()

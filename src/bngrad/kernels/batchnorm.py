@@ -627,9 +627,12 @@ def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
 # layout
 
 @njit(**_JIT)
-def copy_rows_item(i, source, out):
-    """out[i, :] = source[i, :]; ``source`` may have any strides."""
-    out[i, :] = source[i, :]
+def copy_rows_item(item, source, out, rows):
+    """out[i, :] = source[i, :] for the item's block of ``rows`` rows; ``source`` may have
+    any strides. (Blocks: the rows of a cropped map are short, 7-56 elements, and a row per
+    item spent most of its time starting the item.)"""
+    for i in range(item * rows, min(out.shape[0], item * rows + rows)):
+        out[i, :] = source[i, :]
 
 
 def _transpose8_codegen(context, builder, signature, args):
@@ -762,9 +765,9 @@ def forward_fused(n, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, 
 
 
 @njit(parallel=True, **_JIT)
-def copy_rows(n, source, out):
+def copy_rows(n, source, out, rows):
     for i in prange(n):
-        copy_rows_item(np.int64(i), source, out)
+        copy_rows_item(np.int64(i), source, out, rows)
 
 
 @njit(parallel=True, **_JIT)
@@ -834,9 +837,9 @@ def forward_fused_serial(n, x, z, out, aux, weight, bias, eps, count, rows, seg,
 
 
 @njit(**_JIT)
-def copy_rows_serial(n, source, out):
+def copy_rows_serial(n, source, out, rows):
     for i in range(n):
-        copy_rows_item(i, source, out)
+        copy_rows_item(i, source, out, rows)
 
 
 @njit(**_JIT)
