@@ -473,8 +473,7 @@ def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
     r, b0 = item // n_segs, (item % n_segs) * seg
     a, g = r // n_groups, r % n_groups
     c0, c1, b1 = g * group, min(C, g * group + group), min(B, b0 + seg)
-    _map_runs(a, c0, c1, b0, b1, x, dy, _with_scratch(y, b1 - b0), z, out,
-              aux, coef)
+    _map_runs(a, c0, c1, b0, b1, x, dy, _with_scratch(y, b1 - b0), z, out, aux, coef)
 
 
 # Short runs (32 <= B < 256, e.g. 7x7 maps): one run at a time spends most of its time in
