@@ -89,7 +89,7 @@ def from_float(value, out):
     raise NotImplementedError
 
 
-@overload(to_float, inline="always")
+@overload(to_float)
 def _to_float(value):
     return {types.float64: lambda value: value,
             types.float32: lambda value: value,
@@ -97,7 +97,7 @@ def _to_float(value):
             types.uint16: lambda value: _bf16_bits_to_float32(value)}.get(value)
 
 
-@overload(from_float, inline="always")
+@overload(from_float)
 def _from_float(value, out):
     return {types.float64: lambda value, out: np.float64(value),
             types.float32: lambda value, out: np.float32(value),

@@ -1,8 +1,10 @@
 """The per-element maths of batch norm, each formula written once (docs/internals.md).
 
-The loops of kernels.batchnorm inline these (``@overload``, ``inline="always"``): they compile
-as if written in place, with the caller's fastmath flags, and stay in Numba's disk cache (which
-functions passed as arguments or made by closure factories do not). An operand that is None
+The loops of kernels.batchnorm call these (``@overload``): each is compiled once per argument
+types, linked into the loop's machine code and inlined there by LLVM, and stays in Numba's disk
+cache (which functions passed as arguments or made by closure factories do not). They are not
+inlined by Numba (``inline="never"``, its default): that re-typed their bodies at every call
+site, and typing was most of the compile time (docs/internals.md). An operand that is None
 selects a formula when the kernel is compiled, never at run time:
 
 - ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64 (the
@@ -74,7 +76,7 @@ def take(values: Any, index: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(take, inline="always")
+@overload(take)
 def _take(values, index):
     if isinstance(values, types.NoneType):
         return lambda values, index: None
@@ -93,7 +95,7 @@ def _zero(value: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(_zero, inline="always")
+@overload(_zero)
 def _zero_impl(value):
     if value == types.float64:
         return lambda value: np.float64(0.0)
@@ -107,14 +109,14 @@ def passes(y: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(passes, inline="always")
+@overload(passes)
 def _passes(y):
     if y == types.uint8:
         return lambda y: y != 0
     return lambda y: not (to_float(y) <= 0)
 
 
-@overload(grad, inline="always")
+@overload(grad)
 def _grad(dy, y):
     if isinstance(y, types.NoneType):
         return lambda dy, y: to_float(dy)
@@ -131,7 +133,7 @@ def accumulate(dy: Any, x: Any, y: Any, mean: Any, shift: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(accumulate, inline="always")
+@overload(accumulate)
 def _accumulate(dy, x, y, mean, shift):
     if isinstance(dy, types.NoneType):  # the moments' sums: dy is x and mean is shift
         def moments(dy, x, y, mean, shift):
@@ -185,7 +187,7 @@ def lane(mean: Any, index: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(lane, inline="always")
+@overload(lane)
 def _lane(mean, index):
     if isinstance(mean, types.UniTuple):
         return lambda mean, index: (mean[0][index], mean[1][index])
@@ -213,7 +215,7 @@ def block_terms(x: Any, shift: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(block_terms, inline="always")
+@overload(block_terms)
 def _block_terms(x, shift):
     if narrow_terms(x.dtype, shift):
         return lambda x, shift: (256, np.float32(0.0))
@@ -227,7 +229,7 @@ def elementwise(x: Any, dy: Any, y: Any, z: Any, scale: Any, proj: Any, shift: A
     raise NotImplementedError
 
 
-@overload(elementwise, inline="always")
+@overload(elementwise)
 def _elementwise(x, dy, y, z, scale, proj, shift, mean):
     if isinstance(dy, types.NoneType):
         if isinstance(z, types.NoneType):
@@ -267,7 +269,7 @@ def finish(value: Any, out: Any, aux: Any, i: Any, dy: Any, y: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(finish, inline="always")
+@overload(finish)
 def _finish(value, out, aux, i, dy, y):
     if isinstance(aux, types.NoneType):
         return lambda value, out, aux, i, dy, y: from_float(value, out)

@@ -220,7 +220,7 @@ def _with_scratch(y: Any, n: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(_with_scratch, inline="always")
+@overload(_with_scratch)
 def _with_scratch_impl(y, n):
     if isinstance(y, types.BaseTuple):
         return lambda y, n: (y[0], y[1], np.empty(n, np.uint8))
@@ -234,7 +234,7 @@ def _mask_part(aux: Any, index: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(_mask_part, inline="always")
+@overload(_mask_part)
 def _mask_part_impl(aux, index):
     if isinstance(aux, (types.NoneType, types.BaseTuple)):
         return lambda aux, index: aux
@@ -248,7 +248,7 @@ def _flush(aux: Any, out: Any, start: Any, n: Any) -> None:
     raise NotImplementedError
 
 
-@overload(_flush, inline="always")
+@overload(_flush)
 def _flush_impl(aux, out, start, n):
     if isinstance(aux, types.BaseTuple):
         return lambda aux, out, start, n: _pack_bits(out.reshape(out.size)[start:start + n],
@@ -313,6 +313,8 @@ def _relu_record(y: Any, index: Any, flat: Any, n: Any, offset: Any) -> Any:
     raise NotImplementedError
 
 
+# inlined by Numba, unlike the other helpers: LLVM does not inline the bits' unpacking, and a
+# call per row cost the fused backward given bits 5-16% (docs/internals.md)
 @overload(_relu_record, inline="always")
 def _relu_record_impl(y, index, flat, n, offset):
     if isinstance(y, types.NoneType):
@@ -370,7 +372,7 @@ def _tile(x, dy, y, m, shift, c, j, s, rows, seg, partial):
     raise NotImplementedError
 
 
-@overload(_tile, inline="always")
+@overload(_tile)
 def _tile_impl(x, dy, y, m, shift, c, j, s, rows, seg, partial):
     if isinstance(partial, types.NoneType):
         return lambda x, dy, y, m, shift, c, j, s, rows, seg, partial: _tile_sums(
@@ -485,7 +487,7 @@ def _lanes_of(values: Any, c0: Any, c1: Any, B: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(_lanes_of, inline="always")
+@overload(_lanes_of)
 def _lanes_of_impl(values, c0, c1, B):
     if isinstance(values, types.NoneType):
         return lambda values, c0, c1, B: None
@@ -535,7 +537,7 @@ def _terms_mean(lanes: Any, x: Any, shift: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(_terms_mean, inline="always")
+@overload(_terms_mean)
 def _terms_mean_impl(lanes, x, shift):
     if narrow_terms(x.dtype, shift):
         return lambda lanes, x, shift: split_mean(lanes)
@@ -547,7 +549,7 @@ def _as_rows(a: Any, A: Any, n: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(_as_rows, inline="always")
+@overload(_as_rows)
 def _as_rows_impl(a, A, n):
     if isinstance(a, (types.NoneType, types.BaseTuple)):
         return lambda a, A, n: a
@@ -914,7 +916,7 @@ def _like(array: Any, value: Any) -> Any:
     raise NotImplementedError
 
 
-@overload(_like, inline="always")
+@overload(_like)
 def _like_impl(array, value):
     dtype = array.dtype
     return lambda array, value: dtype(value)
