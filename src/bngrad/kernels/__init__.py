@@ -317,6 +317,11 @@ def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
     return _piece_rows(aux, piece)
 
 
+def _piece_args(piece: LanePiece) -> tuple[bool, int, int, int]:
+    """A piece's spread and tiles as the small calls take them (kernels.batchnorm)."""
+    return piece.spread == "repeat", piece.times, piece.rows, piece.cols
+
+
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
                 x: Optional[Operand] = None, dy: Optional[Operand] = None,
                 y: Aux = None, z: Optional[np.ndarray] = None, aux: Aux = None) -> None:
@@ -351,12 +356,22 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
 
 def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=None, aux=None):
     """Training forward in one pass where the plan fuses and the data are float64 (whose
-    two-pass moments it saves two of three passes; docs/internals.md): writes ``out`` (and
-    ``aux``), returns (mean, biased var) in float64, the bits of bngrad.api's moments then
-    normalize. Else None."""
-    if x.dtype != np.float64 or plan.path != "fused" or not isinstance(x, np.ndarray):
+    two-pass moments it saves two of three passes; docs/internals.md), or in one compiled call
+    where the plan is small: writes ``out`` (and ``aux``), returns (mean, biased var) in
+    float64, the bits of bngrad.api's moments then normalize. Else None."""
+    if not isinstance(x, np.ndarray):
         return None
     C = x.shape[1]
+    if plan.small:  # one compiled call for the moments, coefficients and normalize pass
+        mean, var = np.empty(C), np.empty(C)
+        r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
+        k.forward_small(_piece_rows(x, r), _piece_rows(x, e), _piece_rows(z, e),
+                        _piece_rows(out, e), _piece_aux(aux, e, C), x.dtype == np.float64,
+                        weight, bias, float(eps), float(count), *_piece_args(r),
+                        *_piece_args(e), mean, var, np.empty((4, C), dtype=dtype))
+        return mean, var
+    if x.dtype != np.float64 or plan.path != "fused":
+        return None
     mean, var = np.empty(C), np.empty(C)
     coef = np.zeros((4, C), dtype=dtype)
     launcher(plan.serial, C).forward_fused(C, x, z, out, aux, weight, bias, float(eps),
@@ -367,7 +382,18 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
 def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dtype, y=None,
                    aux=None):
     """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
-    reduce, then elementwise); returns (sum_dy, sum_dy_xmu) in float64."""
+    reduce, then elementwise), or in one compiled call where the plan is small; returns
+    (sum_dy, sum_dy_xmu) in float64."""
+    if plan.small and isinstance(x, np.ndarray) and isinstance(dy, np.ndarray):
+        C = x.shape[1]
+        sum_dy, sum_dy_xmu = np.zeros(C), np.zeros(C)
+        r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
+        k.backward_small(_piece_rows(x, r), _piece_rows(dy, r), _piece_aux(y, r, C),
+                         _piece_rows(x, e), _piece_rows(dy, e), _piece_aux(y, e, C),
+                         _piece_rows(out, e), _piece_aux(aux, e, C), mean, invstd, weight,
+                         float(count), *_piece_args(r), *_piece_args(e), sum_dy, sum_dy_xmu,
+                         np.empty((4, C), dtype=dtype))
+        return sum_dy, sum_dy_xmu
     if plan.path in ("fused", "fused_short") and isinstance(x, np.ndarray) and isinstance(
             dy, np.ndarray):
         C = x.shape[1]

@@ -187,6 +187,14 @@ class KernelPlan:
         return self.path in ("short", "fused_short")
 
     @property
+    def small(self) -> bool:
+        """Whether a training backward or forward runs as one compiled call (the small calls
+        of kernels.batchnorm): a serial call on the lanes path whose passes take one piece
+        each. The same items in the same order, so the same bits."""
+        return (self.serial and self.path == "lanes" and len(self.reduce_pieces) == 1
+                and len(self.elemt_pieces) == 1)
+
+    @property
     def blocks(self) -> int:
         return _ceil_div(self.shape[0], self.rows)
 

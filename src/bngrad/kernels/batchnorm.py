@@ -36,6 +36,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._cache import install as _install_cache_locator
+from ._elements import to_float
 from ._ops import (BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, block_terms, elementwise,
                    finish, lane, narrow_terms, split_mean, take)
 
@@ -909,6 +910,83 @@ def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
         coef[PROJ, c] = 0.0
         coef[BIAS, c] = bias[c]
         coef[MEAN, c] = mean[c]
+
+
+# ---------------------------------------------------------------------------------------------
+# small calls: a serial call on the lanes path whose passes take one piece each, the whole array
+# (KernelPlan.small), runs a training backward or forward in one compiled call. Its steps were
+# a dozen dispatches and as many NumPy calls from Python, which cost more than a small array's
+# work; here they are the same compiled steps in the same order (kernels.reduce, elementwise,
+# backward_train, bngrad.api._moments), so they give the same bits.
+
+@njit(**_JIT)
+def _spread1(values, repeat, times, L):
+    """values (C,) over L lanes, as kernels._spread: lane c*times + t (repeat) or t*C + c."""
+    C = values.shape[0]
+    lanes = np.empty(L)
+    for t in range(times):
+        for c in range(C):
+            lanes[c * times + t if repeat else t * C + c] = values[c]
+    return lanes
+
+
+@njit(**_JIT)
+def _lane_sums(x, dy, y, lane_mean, lane_shift, repeat, times, rows, cols, sum_dy, sum_dy_xmu):
+    """kernels.reduce over one piece, its rows of lanes x: added into sum_dy, sum_dy_xmu."""
+    L = x.shape[1]
+    partial = np.empty(((x.shape[0] + rows - 1) // rows, 2, L))
+    reduce_lanes_serial(partial.shape[0] * ((L + cols - 1) // cols), x, dy, y, lane_mean,
+                        lane_shift, rows, cols, partial)
+    combine_lanes(partial, repeat, times, sum_dy, sum_dy_xmu)
+
+
+@njit(**_JIT)
+def _elementwise_small(x, dy, y, z, out, aux, coef, repeat, times, rows, cols):
+    """kernels.elementwise over one piece, its rows of lanes out."""
+    L = out.shape[1]
+    lanes = np.empty((coef.shape[0], L), coef.dtype)
+    spread_lanes(coef, repeat, times, lanes)
+    elementwise_lanes_serial(((out.shape[0] + rows - 1) // rows) * ((L + cols - 1) // cols), x,
+                             dy, y, z, out, aux, lanes, rows, cols)
+
+
+@njit(**_JIT)
+def backward_small(xr, dyr, yr, xe, dye, ye, out, aux, mean, invstd, weight, count, repeat_r,
+                   times_r, rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, sum_dy,
+                   sum_dy_xmu, coef):
+    """kernels.backward_train of a small call: operands as the reduction's piece views them
+    (xr, dyr, yr) and as the elementwise pass's does (xe, ..., aux); sum_dy, sum_dy_xmu zeros."""
+    _lane_sums(xr, dyr, yr, _spread1(mean, repeat_r, times_r, xr.shape[1]), None, repeat_r,
+               times_r, rows_r, cols_r, sum_dy, sum_dy_xmu)
+    train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef)
+    _elementwise_small(xe, dye, ye, None, out, aux, coef, repeat_e, times_e, rows_e, cols_e)
+
+
+@njit(**_JIT)
+def forward_small(xr, xe, z, out, aux, two_pass, weight, bias, eps, count, repeat_r, times_r,
+                  rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, mean, var, coef):
+    """A small call's training forward: bngrad.api._moments (shifted by each channel's first
+    element, or for float64 data by the mean of a first pass), the coefficients, the normalize
+    pass (kernels.elementwise); xr as the reduction's piece views x, xe, z, out, aux as the
+    elementwise pass's. Writes mean, var (float64) and coef."""
+    C, L = mean.shape[0], xr.shape[1]
+    shift = np.zeros(C)
+    if two_pass:
+        first, unused = np.zeros(C), np.zeros(C)
+        lanes = _spread1(shift, repeat_r, times_r, L)
+        _lane_sums(xr, None, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, first,
+                   unused)
+        for c in range(C):
+            shift[c] = first[c] / count
+    else:
+        for c in range(C):
+            shift[c] = np.float64(to_float(xr[0, c * times_r if repeat_r else c]))
+    sum_d, sum_d2 = np.zeros(C), np.zeros(C)
+    lanes = _spread1(shift, repeat_r, times_r, L)
+    _lane_sums(xr, None, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, sum_d, sum_d2)
+    finish_moments(shift, sum_d, sum_d2, count, mean, var)
+    normalize_coefficients(mean, var, eps, weight, bias, np.empty(C), coef)
+    _elementwise_small(xe, None, None, z, out, aux, coef, repeat_e, times_e, rows_e, cols_e)
 
 
 def _like(array: Any, value: Any) -> Any:
