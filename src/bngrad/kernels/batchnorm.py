@@ -919,7 +919,7 @@ def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
 # work; here they are the same compiled steps in the same order (kernels.reduce, elementwise,
 # backward_train, bngrad.api._moments), so they give the same bits.
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _spread1(values, repeat, times, L):
     """values (C,) over L lanes, as kernels._spread: lane c*times + t (repeat) or t*C + c."""
     C = values.shape[0]
@@ -930,7 +930,7 @@ def _spread1(values, repeat, times, L):
     return lanes
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _lane_sums(x, dy, y, lane_mean, lane_shift, repeat, times, rows, cols, sum_dy, sum_dy_xmu):
     """kernels.reduce over one piece, its rows of lanes x: added into sum_dy, sum_dy_xmu."""
     L = x.shape[1]
@@ -940,7 +940,7 @@ def _lane_sums(x, dy, y, lane_mean, lane_shift, repeat, times, rows, cols, sum_d
     combine_lanes(partial, repeat, times, sum_dy, sum_dy_xmu)
 
 
-@njit(**_JIT)
+@njit(inline="always", **_JIT)
 def _elementwise_small(x, dy, y, z, out, aux, coef, repeat, times, rows, cols):
     """kernels.elementwise over one piece, its rows of lanes out."""
     L = out.shape[1]
