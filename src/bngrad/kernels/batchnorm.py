@@ -917,7 +917,9 @@ def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
 # (KernelPlan.small), runs a training backward or forward in one compiled call. Its steps were
 # a dozen dispatches and as many NumPy calls from Python, which cost more than a small array's
 # work; here they are the same compiled steps in the same order (kernels.reduce, elementwise,
-# backward_train, bngrad.api._moments), so they give the same bits.
+# backward_train, bngrad.api._moments), so they give the same bits. They loop over the items
+# themselves: calling the serial launchers compiled those and then optimised their code again
+# as part of these (about 2 s of CPU per signature).
 
 @njit(inline="always", **_JIT)
 def _spread1(values, repeat, times, L):
@@ -935,8 +937,8 @@ def _lane_sums(x, dy, y, lane_mean, lane_shift, repeat, times, rows, cols, sum_d
     """kernels.reduce over one piece, its rows of lanes x: added into sum_dy, sum_dy_xmu."""
     L = x.shape[1]
     partial = np.empty(((x.shape[0] + rows - 1) // rows, 2, L))
-    reduce_lanes_serial(partial.shape[0] * ((L + cols - 1) // cols), x, dy, y, lane_mean,
-                        lane_shift, rows, cols, partial)
+    for item in range(partial.shape[0] * ((L + cols - 1) // cols)):
+        reduce_lanes_item(item, x, dy, y, lane_mean, lane_shift, rows, cols, partial)
     combine_lanes(partial, repeat, times, sum_dy, sum_dy_xmu)
 
 
@@ -946,8 +948,8 @@ def _elementwise_small(x, dy, y, z, out, aux, coef, repeat, times, rows, cols):
     L = out.shape[1]
     lanes = np.empty((coef.shape[0], L), coef.dtype)
     spread_lanes(coef, repeat, times, lanes)
-    elementwise_lanes_serial(((out.shape[0] + rows - 1) // rows) * ((L + cols - 1) // cols), x,
-                             dy, y, z, out, aux, lanes, rows, cols)
+    for item in range(((out.shape[0] + rows - 1) // rows) * ((L + cols - 1) // cols)):
+        elementwise_lanes_item(item, x, dy, y, z, out, aux, lanes, rows, cols)
 
 
 @njit(**_JIT)
