@@ -212,24 +212,28 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
             mask_kernel = (mask, 0)
         elif relu is not None:
             mask_kernel, mask = layout.empty_output(input.shape, np.dtype(np.uint8))
-        fused = None  # (mean, var) where one kernel wrote both them and the output
+        fused = None  # (mean, var, invstd) where one kernel wrote them and the output
         if train:
             if count == 0:
                 mean, var = np.full(n_channels, np.nan), np.full(n_channels, np.nan)
             else:
                 fused = kernels.forward_train(layout.kernel, layout.x, out_kernel, scale_weight,
                                               shift_bias, eps, count, compute, z, mask_kernel)
-                mean, var = fused if fused is not None else _moments(layout, input, axis, count)
+                mean, var = fused[:2] if fused is not None else _moments(layout, input, axis,
+                                                                         count)
             if count > 0:
                 kernels.update_running_stats(running_mean, running_var, mean, var, momentum,
                                              count)
         else:  # normalised with the running statistics (as _eval_stats)
             mean, var = running_mean.astype(np.float64), running_var.astype(np.float64)
-        invstd, coef = kernels.normalize_coefficients(mean, var, eps, scale_weight, shift_bias,
-                                                      compute)
-        if fused is None and input.size:
-            kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x, z=z,
-                                aux=mask_kernel)
+        if fused is not None:
+            invstd = fused[2]
+        else:
+            invstd, coef = kernels.normalize_coefficients(mean, var, eps, scale_weight,
+                                                          shift_bias, compute)
+            if input.size:
+                kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x, z=z,
+                                    aux=mask_kernel)
     output = finish_output(output, out)
 
     if train:

@@ -357,40 +357,42 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
 def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=None, aux=None):
     """Training forward in one pass where the plan fuses and the data are float64 (whose
     two-pass moments it saves two of three passes; docs/internals.md), or in one compiled call
-    where the plan is small: writes ``out`` (and ``aux``), returns (mean, biased var) in
-    float64, the bits of bngrad.api's moments then normalize. Else None."""
+    where the plan is small and there are no fused operands: writes ``out`` (and ``aux``), returns (mean, biased var) in
+    float64, and invstd (normalize_coefficients'), the bits of bngrad.api's moments then
+    normalize. Else None."""
     if not isinstance(x, np.ndarray):
         return None
     C = x.shape[1]
-    if plan.small:  # one compiled call for the moments, coefficients and normalize pass
-        mean, var = np.empty(C), np.empty(C)
+    mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
+    if plan.small and z is None and aux is None:  # one call: moments, coefficients, normalize
         r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
-        k.forward_small(_piece_rows(x, r), _piece_rows(x, e), _piece_rows(z, e),
-                        _piece_rows(out, e), _piece_aux(aux, e, C), x.dtype == np.float64,
-                        weight, bias, float(eps), float(count), *_piece_args(r),
-                        *_piece_args(e), mean, var, np.empty((4, C), dtype=dtype))
-        return mean, var
+        k.forward_small(_piece_rows(x, r), _piece_rows(x, e), _piece_rows(out, e),
+                        np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
+                        float(eps), float(count), *_piece_args(r), *_piece_args(e), mean, var,
+                        invstd, np.empty((4, C), dtype=dtype))
+        return mean, var, invstd
     if x.dtype != np.float64 or plan.path != "fused":
         return None
-    mean, var = np.empty(C), np.empty(C)
     coef = np.zeros((4, C), dtype=dtype)
     launcher(plan.serial, C).forward_fused(C, x, z, out, aux, weight, bias, float(eps),
                                            float(count), plan.rows, plan.seg, mean, var, coef)
-    return mean, var
+    k.normalize_coefficients(mean, var, float(eps), weight, bias, invstd, coef)
+    return mean, var, invstd
 
 
 def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dtype, y=None,
                    aux=None):
     """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
-    reduce, then elementwise), or in one compiled call where the plan is small; returns
+    reduce, then elementwise), or in one compiled call where the plan is small and there are
+    no fused operands; returns
     (sum_dy, sum_dy_xmu) in float64."""
-    if plan.small and isinstance(x, np.ndarray) and isinstance(dy, np.ndarray):
+    if (plan.small and y is None and aux is None and isinstance(x, np.ndarray)
+            and isinstance(dy, np.ndarray)):
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.zeros(C), np.zeros(C)
         r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
-        k.backward_small(_piece_rows(x, r), _piece_rows(dy, r), _piece_aux(y, r, C),
-                         _piece_rows(x, e), _piece_rows(dy, e), _piece_aux(y, e, C),
-                         _piece_rows(out, e), _piece_aux(aux, e, C), mean, invstd, weight,
+        k.backward_small(_piece_rows(x, r), _piece_rows(dy, r), _piece_rows(x, e),
+                         _piece_rows(dy, e), _piece_rows(out, e), mean, invstd, weight,
                          float(count), *_piece_args(r), *_piece_args(e), sum_dy, sum_dy_xmu,
                          np.empty((4, C), dtype=dtype))
         return sum_dy, sum_dy_xmu

@@ -174,6 +174,10 @@ class KernelPlan:
     threads: int
     forced: bool = False
     serial: bool = False  # the items run on the calling thread (runs_serial)
+    # a training backward or forward runs as one compiled call (the small calls of
+    # kernels.batchnorm): a serial call on the lanes path whose passes take one piece each;
+    # the same items in the same order, so the same bits
+    small: bool = False
     rows: int = 0
     seg: int = 0
     group: int = 0
@@ -185,14 +189,6 @@ class KernelPlan:
     def short(self) -> bool:
         """Whether the passes take the short kernels (fused_short's, but for its backward)."""
         return self.path in ("short", "fused_short")
-
-    @property
-    def small(self) -> bool:
-        """Whether a training backward or forward runs as one compiled call (the small calls
-        of kernels.batchnorm): a serial call on the lanes path whose passes take one piece
-        each. The same items in the same order, so the same bits."""
-        return (self.serial and self.path == "lanes" and len(self.reduce_pieces) == 1
-                and len(self.elemt_pieces) == 1)
 
     @property
     def blocks(self) -> int:
@@ -251,9 +247,11 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
         raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
     serial = _runs_serial(cfg, math.prod(shape), threads)
     if len(shape) == 2 or forced == "lanes" or (forced is None and shape[2] < cfg.short_run):
+        reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True)
+        elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False)
         return KernelPlan("lanes", shape, threads, forced is not None, serial,
-                          reduce_pieces=_lane_pieces(cfg, shape, cfg.fold_lanes, True),
-                          elemt_pieces=_lane_pieces(cfg, shape, cfg.elemt_lanes, False))
+                          serial and len(reduce_pieces) == 1 and len(elemt_pieces) == 1,
+                          reduce_pieces=reduce_pieces, elemt_pieces=elemt_pieces)
     A, C, B = shape
     rows, seg = (1, cfg.tile) if B >= cfg.tile else (max(1, cfg.tile // max(B, 1)), max(B, 1))
     fuses = C >= cfg.fused_channels_per_thread * threads

@@ -634,7 +634,9 @@ def copy_rows_item(item, source, out, rows):
     any strides. (Blocks: the rows of a cropped map are short, 7-56 elements, and a row per
     item spent most of its time starting the item.)"""
     for i in range(item * rows, min(out.shape[0], item * rows + rows)):
-        out[i, :] = source[i, :]
+        row, into = source[i], out[i]
+        for j in range(into.shape[0]):  # (not a slice assignment: spread_lanes says why)
+            into[j] = row[j]
 
 
 def _transpose8_codegen(context, builder, signature, args):
@@ -877,14 +879,13 @@ def spread_lanes(values, repeat, times, lanes):
     """lanes[r, c*times + t] (repeat) or lanes[r, t*C + c] = values[r, c], for every t < times:
     per-channel values spread over a piece's lanes (kernels._spread)."""
     C = values.shape[1]
+    # Element by element: slice assignment compiles Numba's shape checks and their error
+    # messages, 3-4 s of a fresh process's first call.
     for r in range(values.shape[0]):
-        row, out = values[r], lanes[r]
-        if repeat:
-            for c in range(C):
-                out[c * times:(c + 1) * times] = row[c]
-        else:
+        for c in range(C):
+            v = values[r, c]
             for t in range(times):
-                out[t * C:(t + 1) * C] = row
+                lanes[r, c * times + t if repeat else t * C + c] = v
 
 
 # The forward's per-channel statistics and coefficients in one call each (bngrad.api): a dozen
@@ -914,70 +915,68 @@ def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
 
 # ---------------------------------------------------------------------------------------------
 # small calls: a serial call on the lanes path whose passes take one piece each, the whole array
-# (KernelPlan.small), runs a training backward or forward in one compiled call. Its steps were
-# a dozen dispatches and as many NumPy calls from Python, which cost more than a small array's
-# work; here they are the same compiled steps in the same order (kernels.reduce, elementwise,
-# backward_train, bngrad.api._moments), so they give the same bits. They loop over the items
-# themselves: calling the serial launchers compiled those and then optimised their code again
-# as part of these (about 2 s of CPU per signature).
+# (KernelPlan.small), runs a plain training backward or forward (no fused operands) in one
+# compiled call. Its steps were a dozen dispatches and as many NumPy calls from Python, which
+# cost more than a small array's work; here they are the same compiled steps in the same order
+# (kernels.reduce, elementwise, backward_train, bngrad.api._moments), so they give the same
+# bits. They loop over the items themselves: calling the serial launchers compiled those and
+# then optimised their code again as part of these (about 2 s of CPU per signature). The fused
+# variants keep the launchers: each variant would be another 3-5 s of compile per dtype, for
+# some 15 us per call on arrays too small to matter in a network.
 
 @njit(inline="always", **_JIT)
 def _spread1(values, repeat, times, L):
-    """values (C,) over L lanes, as kernels._spread: lane c*times + t (repeat) or t*C + c."""
-    C = values.shape[0]
-    lanes = np.empty(L)
-    for t in range(times):
-        for c in range(C):
-            lanes[c * times + t if repeat else t * C + c] = values[c]
-    return lanes
+    """values (C,) over L lanes, as kernels._spread does for one row."""
+    lanes = np.empty((1, L))
+    spread_lanes(values.reshape((1, values.shape[0])), repeat, times, lanes)
+    return lanes[0]
 
 
 @njit(inline="always", **_JIT)
-def _lane_sums(x, dy, y, lane_mean, lane_shift, repeat, times, rows, cols, sum_dy, sum_dy_xmu):
+def _lane_sums(x, dy, lane_mean, lane_shift, repeat, times, rows, cols, sum_dy, sum_dy_xmu):
     """kernels.reduce over one piece, its rows of lanes x: added into sum_dy, sum_dy_xmu."""
     L = x.shape[1]
     partial = np.empty(((x.shape[0] + rows - 1) // rows, 2, L))
     for item in range(partial.shape[0] * ((L + cols - 1) // cols)):
-        reduce_lanes_item(item, x, dy, y, lane_mean, lane_shift, rows, cols, partial)
+        reduce_lanes_item(item, x, dy, None, lane_mean, lane_shift, rows, cols, partial)
     combine_lanes(partial, repeat, times, sum_dy, sum_dy_xmu)
 
 
 @njit(inline="always", **_JIT)
-def _elementwise_small(x, dy, y, z, out, aux, coef, repeat, times, rows, cols):
+def _elementwise_small(x, dy, out, coef, repeat, times, rows, cols):
     """kernels.elementwise over one piece, its rows of lanes out."""
     L = out.shape[1]
     lanes = np.empty((coef.shape[0], L), coef.dtype)
     spread_lanes(coef, repeat, times, lanes)
     for item in range(((out.shape[0] + rows - 1) // rows) * ((L + cols - 1) // cols)):
-        elementwise_lanes_item(item, x, dy, y, z, out, aux, lanes, rows, cols)
+        elementwise_lanes_item(item, x, dy, None, None, out, None, lanes, rows, cols)
 
 
 @njit(**_JIT)
-def backward_small(xr, dyr, yr, xe, dye, ye, out, aux, mean, invstd, weight, count, repeat_r,
-                   times_r, rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, sum_dy,
-                   sum_dy_xmu, coef):
-    """kernels.backward_train of a small call: operands as the reduction's piece views them
-    (xr, dyr, yr) and as the elementwise pass's does (xe, ..., aux); sum_dy, sum_dy_xmu zeros."""
-    _lane_sums(xr, dyr, yr, _spread1(mean, repeat_r, times_r, xr.shape[1]), None, repeat_r,
+def backward_small(xr, dyr, xe, dye, out, mean, invstd, weight, count, repeat_r, times_r,
+                   rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, sum_dy, sum_dy_xmu, coef):
+    """kernels.backward_train of a small call: x, dy as the reduction's piece views them
+    (xr, dyr) and as the elementwise pass's does (xe, dye, out); sum_dy, sum_dy_xmu zeros."""
+    _lane_sums(xr, dyr, _spread1(mean, repeat_r, times_r, xr.shape[1]), None, repeat_r,
                times_r, rows_r, cols_r, sum_dy, sum_dy_xmu)
     train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef)
-    _elementwise_small(xe, dye, ye, None, out, aux, coef, repeat_e, times_e, rows_e, cols_e)
+    _elementwise_small(xe, dye, out, coef, repeat_e, times_e, rows_e, cols_e)
 
 
 @njit(**_JIT)
-def forward_small(xr, xe, z, out, aux, two_pass, weight, bias, eps, count, repeat_r, times_r,
-                  rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, mean, var, coef):
+def forward_small(xr, xe, out, first, weight, bias, eps, count, repeat_r, times_r, rows_r,
+                  cols_r, repeat_e, times_e, rows_e, cols_e, mean, var, invstd, coef):
     """A small call's training forward: bngrad.api._moments (shifted by each channel's first
-    element, or for float64 data by the mean of a first pass), the coefficients, the normalize
-    pass (kernels.elementwise); xr as the reduction's piece views x, xe, z, out, aux as the
-    elementwise pass's. Writes mean, var (float64) and coef."""
+    element, or for float64 data, given ``first`` (C,) zeros, by the mean of a first pass,
+    which ``first`` None compiles away), the coefficients, the normalize pass
+    (kernels.elementwise); xr as the reduction's piece views x, xe and out as the elementwise
+    pass's. Writes mean, var, invstd (float64) and coef."""
     C, L = mean.shape[0], xr.shape[1]
     shift = np.zeros(C)
-    if two_pass:
-        first, unused = np.zeros(C), np.zeros(C)
+    if first is not None:
+        unused = np.zeros(C)
         lanes = _spread1(shift, repeat_r, times_r, L)
-        _lane_sums(xr, None, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, first,
-                   unused)
+        _lane_sums(xr, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, first, unused)
         for c in range(C):
             shift[c] = first[c] / count
     else:
@@ -985,10 +984,10 @@ def forward_small(xr, xe, z, out, aux, two_pass, weight, bias, eps, count, repea
             shift[c] = np.float64(to_float(xr[0, c * times_r if repeat_r else c]))
     sum_d, sum_d2 = np.zeros(C), np.zeros(C)
     lanes = _spread1(shift, repeat_r, times_r, L)
-    _lane_sums(xr, None, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, sum_d, sum_d2)
+    _lane_sums(xr, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, sum_d, sum_d2)
     finish_moments(shift, sum_d, sum_d2, count, mean, var)
-    normalize_coefficients(mean, var, eps, weight, bias, np.empty(C), coef)
-    _elementwise_small(xe, None, None, z, out, aux, coef, repeat_e, times_e, rows_e, cols_e)
+    normalize_coefficients(mean, var, eps, weight, bias, invstd, coef)
+    _elementwise_small(xe, None, out, coef, repeat_e, times_e, rows_e, cols_e)
 
 
 def _like(array: Any, value: Any) -> Any:
