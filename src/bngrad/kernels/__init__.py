@@ -357,9 +357,9 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
 def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=None, aux=None):
     """Training forward in one pass where the plan fuses and the data are float64 (whose
     two-pass moments it saves two of three passes; docs/internals.md), or in one compiled call
-    where the plan is small and there are no fused operands: writes ``out`` (and ``aux``), returns (mean, biased var) in
-    float64, and invstd (normalize_coefficients'), the bits of bngrad.api's moments then
-    normalize. Else None."""
+    where the plan is small and there are no fused operands: writes ``out`` (and ``aux``),
+    returns (mean, biased var) in float64 and invstd (normalize_coefficients'), the bits of
+    bngrad.api's moments then normalize. Else None."""
     if not isinstance(x, np.ndarray):
         return None
     C = x.shape[1]
