@@ -1,4 +1,4 @@
-"""bngrad.torch's kernels on PyTorch's OpenMP team (bngrad._gomp, kernels._gomp_launch).
+"""bngrad.torch's kernels on PyTorch's OpenMP team (bngrad._gomp, kernels._launch).
 
 Every launcher on the team gives bitwise the results of Numba's pool, on any team size; every
 item runs exactly once; the team is PyTorch's (no second pool of threads); a forked child
@@ -17,12 +17,13 @@ import sys
 import textwrap
 import threading
 
+import numba
 import numpy as np
 import pytest
 from numba import njit
 
 from bngrad import _gomp, kernels
-from bngrad.kernels import _gomp_launch
+from bngrad.kernels import _launch
 from conftest import run_child
 
 torch = pytest.importorskip("torch")
@@ -77,6 +78,17 @@ def child_main(out_path, variants=None):  # runs in a child process with NUMBA_N
     import test_determinism as td
 
     report = {"numba_threads": numba.config.NUMBA_NUM_THREADS, "cases": {}}
+    # The same compiled launchers serve both pools: count the launches on the team.
+    launched = dict.fromkeys(kernels.LAUNCHERS, 0)
+
+    def counting(name, launch):
+        def counted(*args):
+            launched[name] += 1
+            launch(*args)
+        return counted
+
+    for name in kernels.LAUNCHERS:
+        setattr(_launch.torch_team, name, counting(name, getattr(_launch.torch_team, name)))
     # serial_elements=0: every launch of these small arrays goes to a pool, never serial.
     with kernels.override(serial_elements=0):
         for variant in variants or td.VARIANTS:
@@ -98,8 +110,7 @@ def child_main(out_path, variants=None):  # runs in a child process with NUMBA_N
                         if problem:
                             break
                     report["cases"][f"{variant}-{shape_id}-{path}"] = problem
-    report["launched"] = {name: len(getattr(_gomp_launch, "_" + name).signatures)
-                          for name in kernels.LAUNCHERS}
+    report["launched"] = launched
     with open(out_path, "w") as f:
         json.dump(report, f)
 
@@ -131,15 +142,46 @@ def _count_item(item, hits):
 
 @njit(nogil=True)
 def _count(parallel, team, n, *args):
-    _gomp_launch._run_items(_count_item, parallel, team, n, args)
+    _launch._run_items(_count_item, parallel, team, n, args)
+
+
+def _pool_address(pool):
+    """The launch address _run_items takes: GOMP_parallel's, or 0 for Numba's pool."""
+    if pool == "torch":
+        return _gomp.parallel_address()
+    _launch._start_layer()  # Numba's layer registers numba_parallel_for
+    return 0
 
 
 @pytest.mark.parametrize("n_items", [0, 1, 2, 3, 7, 17, 1000])
 @pytest.mark.parametrize("team", [1, 2, 4])
-def test_every_item_runs_exactly_once(n_items, team):
+@pytest.mark.parametrize("pool", ["torch", "numba"])
+def test_every_item_runs_exactly_once(pool, n_items, team):
     hits = np.zeros(n_items, dtype=np.int64)
-    _count(_gomp.parallel_address(), team, n_items, hits)
+    _count(_pool_address(pool), team, n_items, hits)
     np.testing.assert_array_equal(hits, 1)
+
+
+@njit(nogil=True)
+def _thread_item(item, spin, thread, sink):
+    thread[item] = numba.get_thread_id()
+    s = 0.0
+    for k in range(spin):  # about a millisecond: time enough for the team to wake
+        s += np.sqrt(k + item)
+    sink[item] = s
+
+
+@njit(nogil=True)
+def _threads_of(parallel, team, n, *args):
+    _launch._run_items(_thread_item, parallel, team, n, args)
+
+
+def test_numbas_pool_shares_the_items():
+    """On Numba's pool, a team of two runs the items on both threads (numba.get_thread_id:
+    0 for the calling thread, 1 for the other)."""
+    thread, sink = np.full(64, -1, dtype=np.int64), np.zeros(64)
+    _threads_of(_pool_address("numba"), 2, 64, 1 << 20, thread, sink)
+    assert (thread >= 0).all() and len(set(thread.tolist())) == 2, thread
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc")
@@ -162,7 +204,7 @@ def test_runs_on_pytorchs_team_not_a_new_pool():
 
 def test_numpy_calls_keep_numbas_pool_and_torch_calls_get_the_team():
     assert kernels.launcher(False, 10) is kernels.launch
-    assert _gomp.on_torch_team(kernels.launcher)(False, 10) is _gomp_launch
+    assert _gomp.on_torch_team(kernels.launcher)(False, 10) is _launch.torch_team
     assert _gomp.on_torch_team(kernels.launcher)(True, 10) is kernels.serial  # small: serial
     assert bt.kernel_pool() == "torch"
 
@@ -250,7 +292,7 @@ def test_cache_stamp_covers_the_inlined_files():
     """An edit to the items' files must recompile the launchers (Numba stamps a cache with
     the function's own file only)."""
     from bngrad.kernels._cache import HERE, InlinedSourcesLocator, sources_stamp
-    cache = _gomp_launch._reduce_runs._cache
+    cache = _launch._reduce_runs._cache
     assert isinstance(cache._impl.locator, InlinedSourcesLocator)  # _ops.py, _elements.py
     assert cache._cache_file._source_stamp[1] == sources_stamp((os.path.join(HERE,
                                                                              "batchnorm.py"),))

@@ -16,7 +16,7 @@ def _locator(dispatcher):
 
 
 def test_kernels_are_stamped_with_the_inlined_sources():
-    locator = _locator(batchnorm.reduce_runs)
+    locator = _locator(batchnorm.reduce_runs_serial)
     assert isinstance(locator, _cache.InlinedSourcesLocator)
     paths = tuple(os.path.join(_cache.HERE, name) for name in _cache.INLINED)
     assert locator.get_source_stamp()[1] == _cache.sources_stamp(paths)

@@ -3,7 +3,7 @@
 Inside a PyTorch program, bngrad's kernels on Numba's TBB pool and PyTorch's operators on its
 GNU OpenMP team compete: each pool spins after its work and takes the cores from the other.
 Under ``bngrad.torch`` the kernels can therefore run on PyTorch's own team: this module finds
-it and says when to use it; kernels._gomp_launch has the launchers.
+it and says when to use it; kernels._launch has the launchers.
 
 - **The runtime**: the ``libgomp`` PyTorch loaded (next to ``torch.__file__``: ``torch/lib``
   in the CPU wheels, ``torch.libs`` in repaired ones), opened with ``RTLD_NOLOAD``, so never a
@@ -53,7 +53,7 @@ class _Runtime:
 
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.path = path
-        # An address only: compiled code calls it (kernels._gomp_launch).
+        # An address only: compiled code calls it (kernels._launch).
         self.parallel: int = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0
 
 

@@ -24,7 +24,7 @@ from typing import Any, ContextManager, Iterable, Iterator, Optional, Protocol, 
 import numpy as np
 
 from .. import _gomp
-from . import _gomp_launch, _plan
+from . import _launch, _plan
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
@@ -39,13 +39,11 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "Ker
            "train_coefficients", "transpose_last_two", "update_running_stats"]
 
 # Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
-# of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them in parallel (the
-# prange launchers at the end of kernels.batchnorm; the seam a backend swaps), ``serial`` on the
-# calling thread; :func:`launcher` chooses, for every launch, in this one place.
-LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
-             "elementwise_lanes", "backward_fused", "backward_fused_short", "forward_fused",
-             "copy_rows", "transpose_last_two")
-launch = k
+# of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them on Numba's pool
+# (kernels._launch; the seam a backend swaps), ``serial`` on the calling thread;
+# :func:`launcher` chooses, for every launch, in this one place.
+LAUNCHERS = _launch.LAUNCHERS
+launch = _launch.numba_pool
 serial = types.SimpleNamespace(**{name: getattr(k, name + "_serial") for name in LAUNCHERS})
 
 
@@ -53,11 +51,11 @@ def launcher(serial_call: bool, n: int) -> Any:
     """The launchers for ``n`` items of a call: serial for a serial call (small work or one
     thread: kernels._plan.runs_serial, which ``KernelPlan.serial`` records), or where there
     is one item only (nothing to share, and a launch would still wake the pool); else, for
-    bngrad.torch's calls, PyTorch's OpenMP team (kernels._gomp_launch; where
-    bngrad._gomp.use_torch_team says so); else ``launch``."""
+    bngrad.torch's calls, PyTorch's OpenMP team (kernels._launch.torch_team; where
+    bngrad._gomp.use_torch_team says so); else ``launch``, Numba's pool."""
     if serial_call or n < 2:
         return serial
-    return _gomp_launch if _gomp.use_torch_team() else launch
+    return _launch.torch_team if _gomp.use_torch_team() else launch
 
 
 def region(plan: KernelPlan) -> ContextManager[None]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
@@ -709,82 +709,13 @@ def transpose_item(item, source, out):
 
 
 # ---------------------------------------------------------------------------------------------
-# launchers: who runs the items 0..n-1 (Numba's pool today), called through kernels.launch; a
-# backend provides these names over the same items (docs/internals.md). Here, not in a module
-# of their own: Numba keys a cached function on its own file, and they inline the items.
-# prange's index is unsigned: passed on as int64, the type every launcher gives, so that each
-# item is compiled once per signature, not once more for the parallel launchers.
-
-@njit(parallel=True, **_JIT)
-def reduce_runs(n, x, dy, y, mean, shift, rows, seg, partial):
-    for item in prange(n):
-        reduce_runs_item(np.int64(item), x, dy, y, mean, shift, rows, seg, partial)
-
-
-@njit(parallel=True, **_JIT)
-def reduce_short(n, x2, d2, y2, B, mean, shift, rows, group, partial):
-    for item in prange(n):
-        reduce_short_item(np.int64(item), x2, d2, y2, B, mean, shift, rows, group, partial)
-
-
-@njit(parallel=True, **_JIT)
-def reduce_lanes(n, x, dy, y, mean, shift, rows, cols, partial):
-    for item in prange(n):
-        reduce_lanes_item(np.int64(item), x, dy, y, mean, shift, rows, cols, partial)
-
-
-@njit(parallel=True, **_JIT)
-def elementwise_runs(n, x, dy, y, z, out, aux, coef, group, seg):
-    for item in prange(n):
-        elementwise_runs_item(np.int64(item), x, dy, y, z, out, aux, coef, group, seg)
-
-
-@njit(parallel=True, **_JIT)
-def elementwise_lanes(n, x, dy, y, z, out, aux, coef, rows, cols):
-    for item in prange(n):
-        elementwise_lanes_item(np.int64(item), x, dy, y, z, out, aux, coef, rows, cols)
-
-
-@njit(parallel=True, **_JIT)
-def backward_fused(n, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg, sum_dy,
-                   sum_dy_xmu, coef):
-    for c in prange(n):
-        backward_fused_item(np.int64(c), x, dy, y, out, aux, mean, invstd, weight, count, rows,
-                            seg, sum_dy, sum_dy_xmu, coef)
-
-
-@njit(parallel=True, **_JIT)
-def backward_fused_short(n, x, dy, y, out, aux, mean, invstd, weight, count, rows, group,
-                         sum_dy, sum_dy_xmu, coef):
-    for g in prange(n):
-        backward_fused_short_item(np.int64(g), x, dy, y, out, aux, mean, invstd, weight, count,
-                                  rows, group, sum_dy, sum_dy_xmu, coef)
-
-
-@njit(parallel=True, **_JIT)
-def forward_fused(n, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var, coef):
-    for c in prange(n):
-        forward_fused_item(np.int64(c), x, z, out, aux, weight, bias, eps, count, rows, seg, mean,
-                           var, coef)
-
-
-@njit(parallel=True, **_JIT)
-def copy_rows(n, source, out, rows):
-    for i in prange(n):
-        copy_rows_item(np.int64(i), source, out, rows)
-
-
-@njit(parallel=True, **_JIT)
-def transpose_last_two(n, source, out):
-    for item in prange(n):
-        transpose_item(np.int64(item), source, out)
-
-
+# launchers: who runs the items 0..n-1. In parallel: kernels._launch (Numba's pool or
+# PyTorch's team), which compiles the items into its own launchers.
 # Serial launchers: the same items in the same order on the calling thread, for calls too small
 # for a parallel launch to pay (kernels._plan.runs_serial decides, kernels.launcher picks).
-# Plain @njit loops: they never enter Numba's parallel machinery (no thread pool wake-up, no
-# set_num_threads), and since each item writes only its own outputs and the combination
-# happens afterwards, their results are bitwise those of the prange launchers above.
+# Plain @njit loops: they never enter a pool (no wake-up, no set_num_threads), and since each
+# item writes only its own outputs and the combination happens afterwards, their results are
+# bitwise those of the parallel launchers.
 
 @njit(**_JIT)
 def reduce_runs_serial(n, x, dy, y, mean, shift, rows, seg, partial):

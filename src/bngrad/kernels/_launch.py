@@ -1,30 +1,41 @@
-"""Launchers on PyTorch's OpenMP team: kernels.batchnorm's launchers, another pool.
+"""The parallel launchers: kernels.batchnorm's work items on Numba's pool or on PyTorch's team.
 
-Under ``bngrad.torch`` the kernels run their work items on the GNU OpenMP team PyTorch's own
-operators use, instead of Numba's TBB pool: two pools that each spin after their work take the
-cores from each other between a PyTorch operator and a bngrad call (issue 12).
+A launcher runs ``item(i, *args)`` for items ``0..n-1`` of one kernel (``reduce_runs(n,
+*args)``, ...: the names of :data:`bngrad.kernels.LAUNCHERS`) on a team of threads. One
+compiled function per item and argument types serves two pools:
 
-This module has the launchers' names and signatures (``reduce_runs(n, *args)``, ...: the
-end of kernels/batchnorm.py) and runs the same ``*_item`` functions for items ``0..n-1``. Each
-launcher is an ``njit`` function of the item's arguments, compiled per argument types as any
-Numba function; inside it, :func:`_run_items` emits the OpenMP region itself:
+- :data:`numba_pool`, for NumPy calls: Numba's threading layer (TBB, thread- and fork-safe;
+  bngrad._threads), through ``numba_parallel_for``, the entry point Numba's own ``prange``
+  loops call;
+- :data:`torch_team`, for ``bngrad.torch``'s calls: the GNU OpenMP team PyTorch's own
+  operators use, through ``GOMP_parallel`` in the libgomp PyTorch loaded (bngrad._gomp). Two
+  pools that each spin after their work take the cores from each other between a PyTorch
+  operator and a bngrad call (issue 12).
+
+Each launcher is an ``njit`` function of the item's arguments, compiled per argument types as
+any Numba function; inside it, :func:`_run_items` emits the parallel region itself:
 
 - an *outlined function* ``void f(void *record)`` in the launcher's own LLVM module (so Numba's
   disk cache keeps it, relocated like any call): it takes chunks of items from an atomic counter
   in the record and runs ``item(i, *args)`` for each, the arguments being the launcher's own
   Numba values (arrays as Numba's array structures: any dtype, ndim, layout, None), stored
   once in the record on the launching thread's stack;
-- the launch ``GOMP_parallel(f, record, team, 0)`` through the address of the entry point in
-  the libgomp PyTorch loaded (bngrad._gomp finds it), a run-time argument, never a constant
-  compiled in; with a team of one (or a single item) the items run on the calling thread and
-  no OpenMP function is called at all.
+- the launch: ``GOMP_parallel(f, record, team, 0)`` through the address of the entry point in
+  PyTorch's libgomp, a run-time argument, never a constant compiled in; or, where that
+  address is 0, ``numba_parallel_for`` over ``team`` slots whose every task calls ``f``
+  (Numba's layer starts the team's threads; each drains the counter). With a team of one (or a
+  single item) the items run on the calling thread and no pool is called at all.
 
 Chunks are taken dynamically (``n // (8 team)`` items, at least 1): on a machine whose cores
 other processes share, a contiguous static split waits for the thread that was preempted
 (measured 2.1x slower than TBB's work stealing at (32, 64, 784) on 2 loaded cores; dynamic
 chunks 0.6-0.9x TBB). Which thread runs an item cannot change a bit: items write only their
-own outputs, and the launch returns when all are done (the team's closing barrier orders
+own outputs, and the launch returns when all are done (the pool's closing barrier orders
 their writes before the caller's reads).
+
+These launchers replaced ``prange`` loops over the same items: a ``prange`` launcher cost about
+1.5 s of compile per signature (Numba's parfor passes, and a gufunc that optimises the item's
+code once more), this one about 0.8 s, and one serves both pools.
 
 Numba keys a cached function on its own source file; these launchers inline the items of
 kernels/batchnorm.py and the maths of _ops.py and _elements.py, so their cache stamp includes
@@ -32,14 +43,15 @@ those files' contents (kernels._cache, and :func:`_stamped` for batchnorm.py): a
 recompiles them instead of leaving stale code behind.
 
 Team size: the region's thread count (``bngrad._threads.parallel_region``, i.e. the caller's
-``num_threads``: ``torch.get_num_threads()`` under bngrad.torch); 1 in a process forked after
-bngrad._gomp was imported (a GNU OpenMP team does not survive fork(); serial, same bits,
-never a hang: see bngrad._gomp).
+``num_threads``: ``torch.get_num_threads()`` under bngrad.torch). On PyTorch's team, 1 in a
+process forked after bngrad._gomp was imported (a GNU OpenMP team does not survive fork();
+serial, same bits, never a hang: see bngrad._gomp).
 """
 
 from __future__ import annotations
 
 import os
+import types as types_
 from typing import Any, Callable
 
 import numba
@@ -53,9 +65,12 @@ from .. import _gomp
 from . import batchnorm as _items
 from ._cache import HERE, sources_stamp
 
-__all__ = ["backward_fused", "backward_fused_short", "copy_rows", "elementwise_lanes",
-           "elementwise_runs", "forward_fused", "reduce_lanes", "reduce_runs", "reduce_short",
-           "transpose_last_two"]
+__all__ = ["LAUNCHERS", "numba_pool", "torch_team"]
+
+#: The launchers' names: each runs kernels.batchnorm's ``<name>_item``.
+LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
+             "elementwise_lanes", "backward_fused", "backward_fused_short", "forward_fused",
+             "copy_rows", "transpose_last_two")
 
 # Chunks per thread of the dynamic schedule: enough that a thread preempted mid-launch leaves
 # its share to the others, few enough that a chunk still spans neighbouring items.
@@ -68,6 +83,31 @@ def _worker(item: Callable) -> Callable:
         for i in range(lo, hi):
             item(i, *args)
     return worker
+
+
+def _numba_parallel_for(builder, outlined, record, team):
+    """Call ``outlined(record)`` on ``team`` threads of Numba's pool: its threading layer's
+    ``parallel_for(fn, args, dims, steps, data, inner_ndim, array_count, threads)`` over
+    ``team`` slots (no arrays), whose every task calls ``outlined``. A task that finds the
+    counter drained returns at once, so however the layer splits the slots, every item runs
+    once. The symbol is Numba's, registered when its layer starts (:func:`_start_layer`)."""
+    module = builder.module
+    i64, i8p = ir.IntType(64), ir.IntType(8).as_pointer()
+    task_t = ir.FunctionType(ir.VoidType(), [i8p.as_pointer(), i64.as_pointer(),
+                                             i64.as_pointer(), i8p])
+    task = ir.Function(module, task_t, name=module.get_unique_name("bngrad_pool_task"))
+    task.linkage = "internal"
+    tb = ir.IRBuilder(task.append_basic_block("entry"))
+    tb.call(outlined, [task.args[3]])
+    tb.ret_void()
+    parallel_for = cgutils.get_or_insert_function(
+        module, ir.FunctionType(ir.VoidType(), [i8p] * 5 + [i64] * 3), "numba_parallel_for")
+    dims = cgutils.alloca_once_value(builder, team)
+    steps = cgutils.alloca_once_value(builder, ir.Constant(i64, 0))
+    no_args = cgutils.alloca_once_value(builder, ir.Constant(i8p, None))
+    builder.call(parallel_for, [builder.bitcast(task, i8p), builder.bitcast(no_args, i8p),
+                                builder.bitcast(dims, i8p), builder.bitcast(steps, i8p),
+                                record, ir.Constant(i64, 0), ir.Constant(i64, 0), team])
 
 
 def _borrowed(context, builder, typ, value):
@@ -91,14 +131,16 @@ def _borrowed(context, builder, typ, value):
 
 @intrinsic
 def _run_items(typingctx, item, parallel, team, n, args):
-    """Run ``item(i, *args)`` for i in 0..n-1 on an OpenMP team of ``team`` threads, started by
-    ``GOMP_parallel`` at address ``parallel``; serially on this thread when team or n <= 1.
+    """Run ``item(i, *args)`` for i in 0..n-1 on a team of ``team`` threads: PyTorch's OpenMP
+    team, started by ``GOMP_parallel`` at address ``parallel``, or where that is 0 Numba's
+    pool; serially on this thread when team or n <= 1.
 
     ``item`` is an njit function (a global, so that it is part of the compiled code); ``args``
     a tuple of its arguments after the item number.
     """
     if not isinstance(item, types.Dispatcher) or not isinstance(args, types.BaseTuple):
         return None
+    _start_layer()  # the compiled code calls numba_parallel_for, which the layer registers
     sig = types.none(item, parallel, team, n, args)
     worker = _worker(item.dispatcher)
     worker_sig = types.none(types.int64, types.int64, args)
@@ -155,10 +197,16 @@ def _run_items(typingctx, item, parallel, team, n, args):
                 record_p = cgutils.alloca_once(builder, record_t)
                 for slot, value in enumerate((n_v, chunk_v, zero, args_v)):
                     builder.store(value, cgutils.gep_inbounds(builder, record_p, 0, slot))
-                gomp_t = ir.FunctionType(ir.VoidType(), [i8p, i8p, i32, i32])
-                builder.call(builder.inttoptr(parallel_v, gomp_t.as_pointer()),
-                             [builder.bitcast(outlined, i8p), builder.bitcast(record_p, i8p),
-                              builder.trunc(team_v, i32), ir.Constant(i32, 0)])
+                record_v = builder.bitcast(record_p, i8p)
+                torch_team = builder.icmp_signed("!=", parallel_v, ir.Constant(i64, 0))
+                with builder.if_else(torch_team) as (on_torch, on_numba):
+                    with on_torch:
+                        gomp_t = ir.FunctionType(ir.VoidType(), [i8p, i8p, i32, i32])
+                        builder.call(builder.inttoptr(parallel_v, gomp_t.as_pointer()),
+                                     [builder.bitcast(outlined, i8p), record_v,
+                                      builder.trunc(team_v, i32), ir.Constant(i32, 0)])
+                    with on_numba:
+                        _numba_parallel_for(builder, outlined, record_v, team_v)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -270,33 +318,40 @@ _layer_ready = False
 
 
 def _start_layer() -> None:
-    """Make Numba register its threading layer's symbols (``get_num_threads``), which the
-    compiled launchers call by name, before the first one is loaded: normally done already
-    by bngrad._threads.parallel_region, around every parallel launch."""
+    """Make Numba register its threading layer's symbols (``get_num_threads``,
+    ``numba_parallel_for``), which the compiled launchers call by name, before the first one is
+    loaded: normally done already by bngrad._threads.parallel_region, around every parallel
+    launch."""
     global _layer_ready
     numba.get_num_threads()
     _layer_ready = True
 
 
-def _launcher(jitted: Any, name: str) -> Callable[..., None]:
-    def launch(n: int, *args: Any) -> None:
-        if not _layer_ready:
-            _start_layer()
-        # A process forked after bngrad._gomp was imported runs serially (module docstring).
-        jitted(_gomp.parallel_address(), _gomp.forked(), n, *args)
-    launch.__name__ = launch.__qualname__ = name
-    launch.__doc__ = (f"``kernels.batchnorm.{name}`` on PyTorch's OpenMP team (see the module "
-                      "docstring); requires ``bngrad._gomp.available()``.")
-    return launch
+def _launchers(torch_team: bool) -> types_.SimpleNamespace:
+    """The launchers of one pool: ``name(n, *args)`` runs items 0..n-1 of that kernel."""
+    def launcher(jitted: Any, name: str) -> Callable[..., None]:
+        if torch_team:
+            def launch(n: int, *args: Any) -> None:
+                if not _layer_ready:
+                    _start_layer()
+                # A process forked after bngrad._gomp was imported runs serially (module
+                # docstring).
+                jitted(_gomp.parallel_address(), _gomp.forked(), n, *args)
+        else:
+            def launch(n: int, *args: Any) -> None:
+                if not _layer_ready:
+                    _start_layer()
+                jitted(0, False, n, *args)
+        launch.__name__ = launch.__qualname__ = name
+        launch.__doc__ = (f"``kernels.batchnorm.{name}_item`` for items 0..n-1 on "
+                          f"{'PyTorch' if torch_team else 'Numba'}'s threads (see the module "
+                          "docstring)" + ("; requires ``bngrad._gomp.available()``."
+                                          if torch_team else "."))
+        return launch
+    return types_.SimpleNamespace(**{name: launcher(globals()["_" + name], name)
+                                     for name in LAUNCHERS})
 
 
-reduce_runs = _launcher(_reduce_runs, "reduce_runs")
-reduce_short = _launcher(_reduce_short, "reduce_short")
-reduce_lanes = _launcher(_reduce_lanes, "reduce_lanes")
-elementwise_runs = _launcher(_elementwise_runs, "elementwise_runs")
-elementwise_lanes = _launcher(_elementwise_lanes, "elementwise_lanes")
-backward_fused = _launcher(_backward_fused, "backward_fused")
-backward_fused_short = _launcher(_backward_fused_short, "backward_fused_short")
-forward_fused = _launcher(_forward_fused, "forward_fused")
-copy_rows = _launcher(_copy_rows, "copy_rows")
-transpose_last_two = _launcher(_transpose_last_two, "transpose_last_two")
+#: Launchers on Numba's pool (NumPy calls) and on PyTorch's OpenMP team (bngrad.torch's).
+numba_pool = _launchers(torch_team=False)
+torch_team = _launchers(torch_team=True)
