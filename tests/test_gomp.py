@@ -3,9 +3,10 @@
 Every launcher on the team gives bitwise the results of Numba's pool, on any team size; every
 item runs exactly once, on either pool, and Numba's pool shares the items between its threads
 (kernels._launch serves both pools with the same compiled launchers); the team is PyTorch's
-(no second pool of threads); a forked child finishes (a DataLoader worker with one thread, and one left at two threads); Python threads
-calling bngrad.torch at once get the serial results; NumPy calls stay on Numba's pool; where
-PyTorch's libgomp is missing, bngrad.torch falls back to Numba's pool and says so.
+(no second pool of threads); a forked child finishes (a DataLoader worker with one thread, and
+one left at two threads); Python threads calling bngrad.torch at once get the serial results;
+NumPy calls stay on Numba's pool; where PyTorch's libgomp is missing, bngrad.torch falls back
+to Numba's pool and says so.
 """
 
 from __future__ import annotations
