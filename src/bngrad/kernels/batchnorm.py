@@ -429,7 +429,8 @@ def backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows
 
 
 @njit(**_JIT)
-def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var, coef):
+def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var, invstd,
+                       coef):
     """Training forward of float64 channel c while it is in cache: corrected two-pass moments
     (the first pass's mean shifts the second), then the output; the same tiles, order and
     arithmetic as the two-phase reductions and bngrad.api's moments and normalize."""
@@ -437,12 +438,8 @@ def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, m
     n_blocks, n_segs = (A + rows - 1) // rows, (B + seg - 1) // seg
     s = _channel_sums(x, None, None, 0.0, 0.0, c, rows, seg, n_blocks, n_segs, None)[0] / count
     sd, sx = _channel_sums(x, None, None, s, s, c, rows, seg, n_blocks, n_segs, None)
-    m = s + sd / count
-    v = sx - sd * sd / count
-    v = (0.0 if v < 0.0 else v) / count  # not max(): a NaN must stay NaN, as np.maximum's
-    mean[c], var[c] = m, v
-    coef[SCALE, c] = 1.0 / np.sqrt(v + eps) * weight[c]
-    coef[BIAS, c], coef[MEAN, c] = bias[c], m
+    _finish_moment(c, s, sd, sx, count, mean, var)
+    _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
     C = x.shape[1]
     for r in range(A):
         _map(x[r, c], None, None, take(z, (r, c)), out[r, c], _mask_part(aux, (r, c)),
@@ -765,10 +762,10 @@ def backward_fused_short_serial(n, x, dy, y, out, aux, mean, invstd, weight, cou
 
 @njit(**_JIT)
 def forward_fused_serial(n, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var,
-                         coef):
+                         invstd, coef):
     for c in range(n):
         forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var,
-                           coef)
+                           invstd, coef)
 
 
 @njit(**_JIT)
@@ -829,25 +826,37 @@ def spread_lanes(values, repeat, times, lanes):
 # NumPy operations on (C,) vectors cost more than a small call's kernels. The same IEEE
 # operations in the same order as the NumPy expressions they replace (and as forward_fused_item),
 # so the same bits; NaN stays NaN (not max()).
+@njit(inline="always", **_JIT)
+def _finish_moment(c, shift, sum_d, sum_d2, count, mean, var):
+    """Channel c of finish_moments, from its scalar sums."""
+    mean[c] = shift + sum_d / count
+    v = sum_d2 - sum_d * sum_d / count
+    var[c] = (0.0 if v < 0.0 else v) / count  # not max(): a NaN must stay NaN, as np.maximum's
+
+
 @njit(**_JIT)
 def finish_moments(shift, sum_d, sum_d2, count, mean, var):
     """mean = shift + sum_d / count; var = max(sum_d2 - sum_d * sum_d / count, 0) / count."""
     for c in range(mean.shape[0]):
-        mean[c] = shift[c] + sum_d[c] / count
-        v = sum_d2[c] - sum_d[c] * sum_d[c] / count
-        var[c] = (0.0 if v < 0.0 else v) / count
+        _finish_moment(c, shift[c], sum_d[c], sum_d2[c], count, mean, var)
+
+
+@njit(inline="always", **_JIT)
+def _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef):
+    """Channel c of normalize_coefficients."""
+    s = 1.0 / np.sqrt(var[c] + eps)
+    invstd[c] = s
+    coef[SCALE, c] = s * weight[c]
+    coef[PROJ, c] = 0.0
+    coef[BIAS, c] = bias[c]
+    coef[MEAN, c] = mean[c]
 
 
 @njit(**_JIT)
 def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
     """invstd = 1 / sqrt(var + eps); the normalize pass's coefficient rows (coef's dtype)."""
     for c in range(mean.shape[0]):
-        s = 1.0 / np.sqrt(var[c] + eps)
-        invstd[c] = s
-        coef[SCALE, c] = s * weight[c]
-        coef[PROJ, c] = 0.0
-        coef[BIAS, c] = bias[c]
-        coef[MEAN, c] = mean[c]
+        _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
 
 
 # ---------------------------------------------------------------------------------------------
