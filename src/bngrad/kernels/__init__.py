@@ -360,17 +360,18 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
     bngrad.api's moments then normalize. Else None."""
     if not isinstance(x, np.ndarray):
         return None
+    small = plan.small and z is None and aux is None  # moments, coefficients and normalize
+    if not small and (x.dtype != np.float64 or plan.path != "fused"):
+        return None
     C = x.shape[1]
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
-    if plan.small and z is None and aux is None:  # one call: moments, coefficients, normalize
+    if small:
         r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
         k.forward_small(_piece_rows(x, r), _piece_rows(x, e), _piece_rows(out, e),
                         np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
                         float(eps), float(count), *_piece_args(r), *_piece_args(e), mean, var,
                         invstd, np.empty((4, C), dtype=dtype))
         return mean, var, invstd
-    if x.dtype != np.float64 or plan.path != "fused":
-        return None
     launcher(plan.serial, C).forward_fused(C, x, z, out, aux, weight, bias, float(eps),
                                            float(count), plan.rows, plan.seg, mean, var, invstd,
                                            np.empty((4, C), dtype=dtype))
@@ -381,8 +382,7 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
                    aux=None):
     """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
     reduce, then elementwise), or in one compiled call where the plan is small and there are
-    no fused operands; returns
-    (sum_dy, sum_dy_xmu) in float64."""
+    no fused operands; returns (sum_dy, sum_dy_xmu) in float64."""
     if (plan.small and y is None and aux is None and isinstance(x, np.ndarray)
             and isinstance(dy, np.ndarray)):
         C = x.shape[1]
