@@ -67,7 +67,8 @@ from ._cache import HERE, sources_stamp
 
 __all__ = ["LAUNCHERS", "numba_pool", "torch_team"]
 
-#: The launchers' names: each runs kernels.batchnorm's ``<name>_item``.
+#: The launchers' names: each runs kernels.batchnorm's ``<name>_item`` (``transpose_item`` for
+#: ``transpose_last_two``).
 LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
              "elementwise_lanes", "backward_fused", "backward_fused_short", "forward_fused",
              "copy_rows", "transpose_last_two")
@@ -343,7 +344,7 @@ def _launchers(torch_team: bool) -> types_.SimpleNamespace:
                     _start_layer()
                 jitted(0, False, n, *args)
         launch.__name__ = launch.__qualname__ = name
-        launch.__doc__ = (f"``kernels.batchnorm.{name}_item`` for items 0..n-1 on "
+        launch.__doc__ = (f"``{name}``'s work items 0..n-1 on "
                           f"{'PyTorch' if torch_team else 'Numba'}'s threads (see the module "
                           "docstring)" + ("; requires ``bngrad._gomp.available()``."
                                           if torch_team else "."))
