@@ -86,9 +86,10 @@ SMALL_GRIDS = [
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("grid", SMALL_GRIDS, ids=[g[0] for g in SMALL_GRIDS])
 def test_small_calls_give_the_launchers_bits(grid, variant, monkeypatch):
-    """A small call runs its training backward and forward as one compiled call
-    (kernels.batchnorm.backward_small, forward_small): bitwise the results of the same call
-    planned otherwise (forced parallel: the launchers), for every operation and dtype."""
+    """A small call runs its plain training backward and forward as one compiled call
+    (kernels.batchnorm.backward_small, forward_small; the fused variants take the serial
+    launchers): bitwise the results of the same call planned otherwise (forced parallel: the
+    launchers), for every operation and dtype."""
     from bngrad import _layout
     from bngrad.kernels import batchnorm
     ran = []

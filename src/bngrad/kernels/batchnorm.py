@@ -824,8 +824,8 @@ def spread_lanes(values, repeat, times, lanes):
 
 # The forward's per-channel statistics and coefficients in one call each (bngrad.api): a dozen
 # NumPy operations on (C,) vectors cost more than a small call's kernels. The same IEEE
-# operations in the same order as the NumPy expressions they replace (and as forward_fused_item),
-# so the same bits; NaN stays NaN (not max()).
+# operations in the same order as the NumPy expressions they replace, so the same bits; NaN
+# stays NaN (not max()). forward_fused_item finishes each channel with the same helpers.
 @njit(inline="always", **_JIT)
 def _finish_moment(c, shift, sum_d, sum_d2, count, mean, var):
     """Channel c of finish_moments, from its scalar sums."""
@@ -919,10 +919,9 @@ def forward_small(xr, xe, out, first, weight, bias, eps, count, repeat_r, times_
     pass's. Writes mean, var, invstd (float64) and coef."""
     C, L = mean.shape[0], xr.shape[1]
     shift = np.zeros(C)
-    if first is not None:
-        unused = np.zeros(C)
-        lanes = _spread1(shift, repeat_r, times_r, L)
-        _lane_sums(xr, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, first, unused)
+    if first is not None:  # shift 0 on every lane
+        unused, zeros = np.zeros(C), np.zeros(L)
+        _lane_sums(xr, None, zeros, zeros, repeat_r, times_r, rows_r, cols_r, first, unused)
         for c in range(C):
             shift[c] = first[c] / count
     else:
