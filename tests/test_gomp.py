@@ -143,16 +143,17 @@ def _count_item(item, hits):
 
 
 @njit(nogil=True)
-def _count(parallel, team, n, *args):
-    _launch._run_items(_count_item, parallel, team, n, args)
+def _count(pool, team, n, *args):
+    _launch._run_items(_count_item, pool[0], pool[1], team, n, args)
 
 
 def _pool_address(pool):
-    """The launch address _run_items takes: GOMP_parallel's, or 0 for Numba's pool."""
+    """The addresses _run_items takes: GOMP_parallel's and omp_get_thread_num's, or 0 and 0
+    for Numba's pool."""
     if pool == "torch":
-        return _gomp.parallel_address()
+        return _gomp.parallel_address(), _gomp.thread_num_address()
     _launch._start_layer()  # Numba's layer registers numba_parallel_for
-    return 0
+    return 0, 0
 
 
 @pytest.mark.parametrize("n_items", [0, 1, 2, 3, 7, 17, 1000])
@@ -174,8 +175,8 @@ def _thread_item(item, spin, thread, sink):
 
 
 @njit(nogil=True)
-def _threads_of(parallel, team, n, *args):
-    _launch._run_items(_thread_item, parallel, team, n, args)
+def _threads_of(pool, team, n, *args):
+    _launch._run_items(_thread_item, pool[0], pool[1], team, n, args)
 
 
 def test_numbas_pool_shares_the_items():
@@ -194,7 +195,7 @@ def test_runs_on_pytorchs_team_not_a_new_pool():
         (torch.ones(1 << 20) * 2).sum()  # PyTorch's team of 2 exists from here on
         before = set(os.listdir("/proc/self/task"))
         hits = np.zeros(64, dtype=np.int64)
-        _count(_gomp.parallel_address(), 2, 64, hits)
+        _count(_pool_address("torch"), 2, 64, hits)
         # no thread of its own (threads of earlier tests may end meanwhile: a set, not a count)
         assert not set(os.listdir("/proc/self/task")) - before
         np.testing.assert_array_equal(hits, 1)

@@ -73,10 +73,10 @@ def test_serial_and_parallel_launchers_give_the_same_bits(case, variant):
     _assert_same(results[ALWAYS_SERIAL], results[NEVER_SERIAL])
 
 
-# Small calls (KernelPlan.small: serial, lanes, one piece per pass): channels-first runs as
+# One-call passes (KernelPlan.one_call: lanes, one piece per pass): channels-first runs as
 # lanes (several row blocks), and channels-last rows folded whole for both passes (32 rows of
 # 6 channels: 4 into 24 lanes, two column groups, for reductions; 2 into 12 for elementwise)
-SMALL_GRIDS = [
+ONE_CALL_GRIDS = [
     ("chfirst", (11, 5, 6), "contig", dict(tile=60, min_block_rows=2)),
     ("nhwc-folded-whole", (8, 6, 2, 2), "chlast",
      dict(fold_lanes=24, elemt_lanes=12, tile=24, min_block_rows=4, column_group=16)),
@@ -84,31 +84,37 @@ SMALL_GRIDS = [
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("grid", SMALL_GRIDS, ids=[g[0] for g in SMALL_GRIDS])
-def test_small_calls_give_the_launchers_bits(grid, variant, monkeypatch):
-    """A small call runs its plain training backward and forward as one compiled call
-    (kernels.batchnorm.backward_small, forward_small; the fused variants take the serial
-    launchers): bitwise the results of the same call planned otherwise (forced parallel: the
-    launchers), for every operation and dtype."""
-    from bngrad import _layout
+@pytest.mark.parametrize("grid", ONE_CALL_GRIDS, ids=[g[0] for g in ONE_CALL_GRIDS])
+def test_one_call_passes_give_the_launchers_bits(grid, variant, monkeypatch):
+    """A call whose passes take one piece each runs its plain training backward and forward
+    as one compiled call (kernels.batchnorm.backward_one_call, forward_one_call; the fused
+    variants take the launchers), serially or on a team: bitwise the results of the same call
+    through the launchers, for every operation and dtype."""
+    import dataclasses
+
     from bngrad.kernels import batchnorm
     ran = []
-    for name in ("backward_small", "forward_small"):
+    for name in ("backward_one_call", "forward_one_call"):
         real = getattr(batchnorm, name)
         monkeypatch.setattr(batchnorm, name,
                             lambda *a, _real=real, _name=name: (ran.append(_name), _real(*a)))
+    real_plan = _plan._plan
     c = make_case(grid[1], 1, variant, "train", True, layouts=(grid[2], grid[2]), seed=19)
     results = {}
     for limit in (ALWAYS_SERIAL, NEVER_SERIAL):
-        with kernels.override(serial_elements=limit, **grid[3]):
-            small = _layout.plan(c.input, c.grad_out, 1, 2).kernel.small
-            # (a 1-core machine runs every call serially)
-            one_core = bngrad._threads.resolve_num_threads(2) == 1
-            assert small == (limit == ALWAYS_SERIAL or one_core), limit
-            ran.clear()
-            results[limit] = _all_paths(c, 2)
-            assert set(ran) == ({"backward_small", "forward_small"} if small else set())
-    _assert_same(results[ALWAYS_SERIAL], results[NEVER_SERIAL])
+        for one_call in (True, False):
+            monkeypatch.setattr(_plan, "_plan", lambda *a, _on=one_call: dataclasses.replace(
+                real_plan(*a), one_call=real_plan(*a).one_call and _on))
+            with kernels.override(serial_elements=limit, **grid[3]):
+                plan = bngrad._layout.plan(c.input, c.grad_out, 1, 2).kernel
+                assert plan.one_call == one_call
+                ran.clear()
+                results[limit, one_call] = _all_paths(c, 2)
+                assert set(ran) == ({"backward_one_call", "forward_one_call"} if one_call
+                                    else set())
+    first = results[ALWAYS_SERIAL, False]
+    for got in results.values():
+        _assert_same(first, got)
 
 
 def _threshold_shapes():

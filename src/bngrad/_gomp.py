@@ -41,7 +41,8 @@ import warnings
 from typing import Any, Callable, Optional, TypeVar, cast
 
 __all__ = ["POOLS", "available", "forked", "on_torch_team", "parallel_address",
-           "set_torch_pool", "torch_pool", "unavailable_reason", "use_torch_team"]
+           "set_torch_pool", "thread_num_address", "torch_pool", "unavailable_reason",
+           "use_torch_team"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -53,8 +54,9 @@ class _Runtime:
 
     def __init__(self, lib: ctypes.CDLL, path: str):
         self.path = path
-        # An address only: compiled code calls it (kernels._launch).
+        # Addresses only: compiled code calls them (kernels._launch).
         self.parallel: int = ctypes.cast(lib.GOMP_parallel, ctypes.c_void_p).value or 0
+        self.thread_num: int = ctypes.cast(lib.omp_get_thread_num, ctypes.c_void_p).value or 0
 
 
 def _libgomp_candidates(torch_dir: str) -> list[str]:
@@ -146,6 +148,21 @@ def parallel_address() -> int:
     if runtime is None:
         raise RuntimeError(f"bngrad._gomp is unavailable: {_reason}")
     return runtime.parallel
+
+
+def thread_num_address() -> int:
+    """The address of ``omp_get_thread_num`` in PyTorch's libgomp (for compiled launchers:
+    which share of a launch's items a team thread starts on; kernels._launch).
+
+    Raises
+    ------
+    RuntimeError
+        If PyTorch's OpenMP runtime is not available (see :func:`unavailable_reason`).
+    """
+    runtime = _load()
+    if runtime is None:
+        raise RuntimeError(f"bngrad._gomp is unavailable: {_reason}")
+    return runtime.thread_num
 
 
 # --- who runs bngrad.torch's kernels -------------------------------------------------------------

@@ -58,6 +58,13 @@ def launcher(serial_call: bool, n: int) -> Any:
     return _launch.torch_team if _gomp.use_torch_team() else launch
 
 
+def _team(plan: KernelPlan) -> Optional[tuple[int, int, int]]:
+    """How a one-call pass (kernels.batchnorm) runs its items: None on the calling thread (a
+    serial call), else the team of the pool :func:`launcher` would choose
+    (kernels._launch.team)."""
+    return None if plan.serial else _launch.team(_gomp.use_torch_team(), plan.threads)
+
+
 def region(plan: KernelPlan) -> ContextManager[None]:
     """What a call planned by ``plan`` runs its kernels inside: bngrad._threads'
     parallel_region on the plan's threads, or, for a serial call, nothing: no native thread
@@ -316,7 +323,7 @@ def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
 
 
 def _piece_args(piece: LanePiece) -> tuple[bool, int, int, int]:
-    """A piece's spread and tiles as the small calls take them (kernels.batchnorm)."""
+    """A piece's spread and tiles as the one-call passes take them (kernels.batchnorm)."""
     return piece.spread == "repeat", piece.times, piece.rows, piece.cols
 
 
@@ -355,22 +362,22 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
 def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=None, aux=None):
     """Training forward in one pass where the plan fuses and the data are float64 (whose
     two-pass moments it saves two of three passes; docs/internals.md), or in one compiled call
-    where the plan is small and there are no fused operands: writes ``out`` (and ``aux``),
+    where the plan says so and there are no fused operands: writes ``out`` (and ``aux``),
     returns (mean, biased var) in float64 and invstd (normalize_coefficients'), the bits of
     bngrad.api's moments then normalize. Else None."""
     if not isinstance(x, np.ndarray):
         return None
-    small = plan.small and z is None and aux is None  # moments, coefficients and normalize
-    if not small and (x.dtype != np.float64 or plan.path != "fused"):
+    one_call = plan.one_call and z is None and aux is None  # moments, coefficients, normalize
+    if not one_call and (x.dtype != np.float64 or plan.path != "fused"):
         return None
     C = x.shape[1]
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
-    if small:
+    if one_call:
         r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
-        k.forward_small(_piece_rows(x, r), _piece_rows(x, e), _piece_rows(out, e),
-                        np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
-                        float(eps), float(count), *_piece_args(r), *_piece_args(e), mean, var,
-                        invstd, np.empty((4, C), dtype=dtype))
+        k.forward_one_call(_piece_rows(x, r), _piece_rows(x, e), _piece_rows(out, e),
+                           np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
+                           float(eps), float(count), *_piece_args(r), *_piece_args(e), mean,
+                           var, invstd, np.empty((4, C), dtype=dtype), _team(plan))
         return mean, var, invstd
     launcher(plan.serial, C).forward_fused(C, x, z, out, aux, weight, bias, float(eps),
                                            float(count), plan.rows, plan.seg, mean, var, invstd,
@@ -381,17 +388,17 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
 def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dtype, y=None,
                    aux=None):
     """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
-    reduce, then elementwise), or in one compiled call where the plan is small and there are
+    reduce, then elementwise), or in one compiled call where the plan says so and there are
     no fused operands; returns (sum_dy, sum_dy_xmu) in float64."""
-    if (plan.small and y is None and aux is None and isinstance(x, np.ndarray)
+    if (plan.one_call and y is None and aux is None and isinstance(x, np.ndarray)
             and isinstance(dy, np.ndarray)):
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.zeros(C), np.zeros(C)
         r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
-        k.backward_small(_piece_rows(x, r), _piece_rows(dy, r), _piece_rows(x, e),
-                         _piece_rows(dy, e), _piece_rows(out, e), mean, invstd, weight,
-                         float(count), *_piece_args(r), *_piece_args(e), sum_dy, sum_dy_xmu,
-                         np.empty((4, C), dtype=dtype))
+        k.backward_one_call(_piece_rows(x, r), _piece_rows(dy, r), _piece_rows(x, e),
+                            _piece_rows(dy, e), _piece_rows(out, e), mean, invstd, weight,
+                            float(count), *_piece_args(r), *_piece_args(e), sum_dy, sum_dy_xmu,
+                            np.empty((4, C), dtype=dtype), _team(plan))
         return sum_dy, sum_dy_xmu
     if plan.path in ("fused", "fused_short") and isinstance(x, np.ndarray) and isinstance(
             dy, np.ndarray):

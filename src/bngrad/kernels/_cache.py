@@ -2,11 +2,12 @@
 
 Numba stamps a cached function with the contents of the file that defines it, and nothing
 else. The loops of kernels.batchnorm link in the per-element maths of ``_ops`` and the codecs of
-``_elements`` (``@overload``s, compiled into the loop's machine code), so an edit there left the
-cached loops as they were: a maintainer's change that silently did not run. :func:`install`
-wraps whichever locator Numba picks for a function defined in this package, adding the contents
-of :data:`INLINED` to its stamp. Imported by the package before the kernels are defined (the
-locator is chosen when a function is decorated).
+``_elements`` (``@overload``s, compiled into the loop's machine code), and its one-call passes
+the parallel region of ``_launch``, so an edit there left the cached loops as they were: a
+maintainer's change that silently did not run. :func:`install` wraps whichever locator Numba
+picks for a function defined in this package, adding the contents of :data:`INLINED` to its
+stamp. Imported by the package before the kernels are defined (the locator is chosen when a
+function is decorated).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any, Optional
 from numba.core.caching import CacheImpl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-INLINED = ("_ops.py", "_elements.py")
+INLINED = ("_ops.py", "_elements.py", "_launch.py")
 
 
 def sources_stamp(paths: tuple[str, ...]) -> str:

@@ -16,22 +16,28 @@ Each launcher is an ``njit`` function of the item's arguments, compiled per argu
 any Numba function; inside it, :func:`_run_items` emits the parallel region itself:
 
 - an *outlined function* ``void f(void *record)`` in the launcher's own LLVM module (so Numba's
-  disk cache keeps it, relocated like any call): it takes chunks of items from an atomic counter
-  in the record and runs ``item(i, *args)`` for each, the arguments being the launcher's own
-  Numba values (arrays as Numba's array structures: any dtype, ndim, layout, None), stored
-  once in the record on the launching thread's stack;
+  disk cache keeps it, relocated like any call): it claims chunks of items from atomic
+  counters in the record (below) and runs ``item(i, *args)`` for each, the arguments being
+  the launcher's own Numba values (arrays as Numba's array structures: any dtype, ndim,
+  layout, None), stored once in the record on the launching thread's stack;
 - the launch: ``GOMP_parallel(f, record, team, 0)`` through the address of the entry point in
   PyTorch's libgomp, a run-time argument, never a constant compiled in; or, where that
   address is 0, ``numba_parallel_for`` over ``team`` slots whose every task calls ``f``
-  (Numba's layer starts the team's threads; each drains the counter). With a team of one (or a
-  single item) the items run on the calling thread and no pool is called at all.
+  (Numba's layer starts the team's threads; each claims items until none is left). With a
+  team of one (or a single item) the items run on the calling thread and no pool is called
+  at all.
 
-Chunks are taken dynamically (``n // (8 team)`` items, at least 1): on a machine whose cores
-other processes share, a contiguous static split waits for the thread that was preempted
-(measured 2.1x slower than TBB's work stealing at (32, 64, 784) on 2 loaded cores; dynamic
-chunks 0.6-0.9x TBB). Which thread runs an item cannot change a bit: items write only their
-own outputs, and the launch returns when all are done (the pool's closing barrier orders
-their writes before the caller's reads).
+Each thread starts on its own contiguous share of the items (share ``t % team`` for thread
+number ``t``: ``omp_get_thread_num`` on PyTorch's team, the layer's ``get_thread_id`` on Numba's
+pool), claiming chunks of ``n // (8 team)`` items (at least 1) from that share's counter; when its
+share is done it claims what is left of the others'. A thread so keeps the same rows from one
+launch to the next (and to PyTorch's own elementwise operators, which split statically too),
+where they are still in its core's cache: an elementwise pass over a (784, 512) float32 array
+whose halves swapped threads every call took 87 us against 47 us (2026-12-01, 2-core EPYC). And
+a thread preempted by another process holds up nobody: the others take its share (a plain
+static split waited for it, 2.1x TBB's time at (32, 64, 784) on 2 loaded cores). Which thread
+runs an item cannot change a bit: items write only their own outputs, and the launch returns
+when all are done (the pool's closing barrier orders their writes before the caller's reads).
 
 These launchers replaced ``prange`` loops over the same items: a ``prange`` launcher cost about
 1.5 s of compile per signature (Numba's parfor passes, and a gufunc that optimises the item's
@@ -73,8 +79,8 @@ LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
              "elementwise_lanes", "backward_fused", "backward_fused_short", "forward_fused",
              "copy_rows", "transpose_last_two")
 
-# Chunks per thread of the dynamic schedule: enough that a thread preempted mid-launch leaves
-# its share to the others, few enough that a chunk still spans neighbouring items.
+# Chunks per share: enough that a thread preempted mid-launch leaves most of its share to the
+# others, few enough that a chunk still spans neighbouring items.
 _CHUNKS_PER_THREAD = 8
 
 
@@ -130,11 +136,43 @@ def _borrowed(context, builder, typ, value):
     return value
 
 
+# Partitions of the items: each thread of a team starts on its own contiguous share (part
+# ``thread number % _MAX_PARTS``), then helps with the others' (see _run_items).
+_MAX_PARTS = 64
+# A part's counter on a cache line of its own: threads claiming from different parts do not
+# contend.
+_COUNTER_STRIDE = 8  # int64s
+
+
+def _thread_number(builder, thread_num):
+    """The calling thread's number in its team (int64): ``thread_num()`` (an address, e.g.
+    libgomp's ``omp_get_thread_num``), or where that is 0 Numba's layer's ``get_thread_id``
+    (registered with the layer, as ``numba_parallel_for``)."""
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    fn_t = ir.FunctionType(i32, [])
+    by_address = builder.icmp_signed("!=", thread_num, ir.Constant(i64, 0))
+    with builder.if_else(by_address) as (given, numbas):
+        with given:
+            t_given = builder.call(builder.inttoptr(thread_num, fn_t.as_pointer()), [])
+            block_given = builder.block
+        with numbas:
+            t_numba = builder.call(cgutils.get_or_insert_function(builder.module, fn_t,
+                                                                  "get_thread_id"), [])
+            block_numba = builder.block
+    t = builder.phi(i32)
+    t.add_incoming(t_given, block_given)
+    t.add_incoming(t_numba, block_numba)
+    t = builder.sext(t, i64)
+    return builder.select(builder.icmp_signed("<", t, ir.Constant(i64, 0)), ir.Constant(i64, 0),
+                          t)
+
+
 @intrinsic
-def _run_items(typingctx, item, parallel, team, n, args):
+def _run_items(typingctx, item, parallel, thread_num, team, n, args):
     """Run ``item(i, *args)`` for i in 0..n-1 on a team of ``team`` threads: PyTorch's OpenMP
-    team, started by ``GOMP_parallel`` at address ``parallel``, or where that is 0 Numba's
-    pool; serially on this thread when team or n <= 1.
+    team, started by ``GOMP_parallel`` at address ``parallel`` (``thread_num``: the address of
+    its ``omp_get_thread_num``), or where ``parallel`` is 0 Numba's pool; serially on this
+    thread when team or n <= 1.
 
     ``item`` is an njit function (a global, so that it is part of the compiled code); ``args``
     a tuple of its arguments after the item number.
@@ -142,12 +180,12 @@ def _run_items(typingctx, item, parallel, team, n, args):
     if not isinstance(item, types.Dispatcher) or not isinstance(args, types.BaseTuple):
         return None
     _start_layer()  # the compiled code calls numba_parallel_for, which the layer registers
-    sig = types.none(item, parallel, team, n, args)
+    sig = types.none(item, parallel, thread_num, team, n, args)
     worker = _worker(item.dispatcher)
     worker_sig = types.none(types.int64, types.int64, args)
 
     def codegen(context, builder, signature, llargs):
-        _, parallel_v, team_v, n_v, args_v = llargs
+        _, parallel_v, thread_num_v, team_v, n_v, args_v = llargs
         args_v = _borrowed(context, builder, args, args_v)
         i64, i32, i8p = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
         zero, one = ir.Constant(i64, 0), ir.Constant(i64, 1)
@@ -158,29 +196,47 @@ def _run_items(typingctx, item, parallel, team, n, args):
         team_v = builder.sext(team_v, i64) if team_v.type.width < 64 else team_v
         n_v = builder.sext(n_v, i64) if n_v.type.width < 64 else n_v
 
-        # The record the team reads: {n, chunk, next item (atomic), args}.
-        record_t = ir.LiteralStructType([i64, i64, i64, context.get_value_type(args)])
+        # The record the team reads: {n, parts, chunk, thread_num, args, counters}: part u
+        # holds items u*n/parts .. (u+1)*n/parts - 1, claimed a chunk at a time by an atomic
+        # add on its counter, so that every item runs once whoever claims it.
+        counters_t = ir.ArrayType(ir.ArrayType(i64, _COUNTER_STRIDE), _MAX_PARTS)
+        record_t = ir.LiteralStructType([i64, i64, i64, i64, context.get_value_type(args),
+                                         counters_t])
         outlined = ir.Function(module, ir.FunctionType(ir.VoidType(), [i8p]),
                                name=module.get_unique_name("bngrad_team_outlined"))
         outlined.linkage = "internal"
         ob = ir.IRBuilder(outlined.append_basic_block("entry"))
         record = ob.bitcast(outlined.args[0], record_t.as_pointer())
-        total = ob.load(cgutils.gep_inbounds(ob, record, 0, 0))
-        chunk = ob.load(cgutils.gep_inbounds(ob, record, 0, 1))
-        counter = cgutils.gep_inbounds(ob, record, 0, 2)
-        fn_args = ob.load(cgutils.gep_inbounds(ob, record, 0, 3))
-        grab, run, done = (outlined.append_basic_block(name) for name in ("grab", "run", "done"))
-        ob.branch(grab)
-        ob.position_at_end(grab)
-        lo = ob.atomic_rmw("add", counter, chunk, "monotonic")
-        ob.cbranch(ob.icmp_signed("<", lo, total), run, done)
+        total, parts, chunk, thread_fn = (ob.load(cgutils.gep_inbounds(ob, record, 0, k))
+                                          for k in range(4))
+        fn_args = ob.load(cgutils.gep_inbounds(ob, record, 0, 4))
+        home = ob.urem(_thread_number(ob, thread_fn), parts)
+        # for k in 0..parts-1: part u = (home + k) % parts; claim its chunks until it is done
+        k_ptr = cgutils.alloca_once_value(ob, zero)
+        next_part, claim, run, done = (outlined.append_basic_block(name)
+                                       for name in ("next_part", "claim", "run", "done"))
+        ob.branch(next_part)
+        ob.position_at_end(next_part)
+        k = ob.load(k_ptr)
+        ob.cbranch(ob.icmp_signed("<", k, parts), claim, done)
+        ob.position_at_end(claim)
+        u = ob.add(home, ob.load(k_ptr))
+        u = ob.select(ob.icmp_signed(">=", u, parts), ob.sub(u, parts), u)
+        start = ob.sdiv(ob.mul(u, total), parts)
+        stop = ob.sdiv(ob.mul(ob.add(u, one), total), parts)
+        counter = cgutils.gep_inbounds(ob, record, 0, 5, u, 0)
+        lo = ob.add(start, ob.atomic_rmw("add", counter, chunk, "monotonic"))
+        with ob.if_then(ob.icmp_signed(">=", lo, stop)):
+            ob.store(ob.add(ob.load(k_ptr), one), k_ptr)
+            ob.branch(next_part)
+        ob.branch(run)
         ob.position_at_end(run)
         hi = ob.add(lo, chunk)
-        hi = ob.select(ob.icmp_signed(">", hi, total), total, hi)
+        hi = ob.select(ob.icmp_signed(">", hi, stop), stop, hi)
         # The status is dropped: an item cannot raise (no bounds checks; the kernels divide
         # only by sizes >= 1), and there is no Python on a team thread to receive it.
         context.call_internal_no_propagate(ob, cres.fndesc, worker_sig, [lo, hi, fn_args])
-        ob.branch(grab)
+        ob.branch(claim)
         ob.position_at_end(done)
         ob.ret_void()
 
@@ -191,13 +247,19 @@ def _run_items(typingctx, item, parallel, team, n, args):
                 context.call_internal_no_propagate(builder, cres.fndesc, worker_sig,
                                                    [zero, n_v, args_v])
             with on_team:
-                per_thread = builder.sdiv(n_v, builder.mul(team_v,
+                parts_v = builder.select(builder.icmp_signed(">", team_v,
+                                                             ir.Constant(i64, _MAX_PARTS)),
+                                         ir.Constant(i64, _MAX_PARTS), team_v)
+                per_thread = builder.sdiv(n_v, builder.mul(parts_v,
                                                            ir.Constant(i64, _CHUNKS_PER_THREAD)))
                 chunk_v = builder.select(builder.icmp_signed("<", per_thread, one), one,
                                          per_thread)
                 record_p = cgutils.alloca_once(builder, record_t)
-                for slot, value in enumerate((n_v, chunk_v, zero, args_v)):
+                for slot, value in enumerate((n_v, parts_v, chunk_v, thread_num_v, args_v)):
                     builder.store(value, cgutils.gep_inbounds(builder, record_p, 0, slot))
+                with cgutils.for_range(builder, parts_v) as loop:
+                    builder.store(zero, cgutils.gep_inbounds(builder, record_p, 0, 5,
+                                                             loop.index, 0))
                 record_v = builder.bitcast(record_p, i8p)
                 torch_team = builder.icmp_signed("!=", parallel_v, ir.Constant(i64, 0))
                 with builder.if_else(torch_team) as (on_torch, on_numba):
@@ -257,62 +319,62 @@ def _team(serial):
 
 @_stamped
 @njit(**_JIT)
-def _reduce_runs(parallel, serial, n, *args):
-    _run_items(_items.reduce_runs_item, parallel, _team(serial), n, args)
+def _reduce_runs(parallel, thread_num, serial, n, *args):
+    _run_items(_items.reduce_runs_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _reduce_short(parallel, serial, n, *args):
-    _run_items(_items.reduce_short_item, parallel, _team(serial), n, args)
+def _reduce_short(parallel, thread_num, serial, n, *args):
+    _run_items(_items.reduce_short_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _reduce_lanes(parallel, serial, n, *args):
-    _run_items(_items.reduce_lanes_item, parallel, _team(serial), n, args)
+def _reduce_lanes(parallel, thread_num, serial, n, *args):
+    _run_items(_items.reduce_lanes_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _elementwise_runs(parallel, serial, n, *args):
-    _run_items(_items.elementwise_runs_item, parallel, _team(serial), n, args)
+def _elementwise_runs(parallel, thread_num, serial, n, *args):
+    _run_items(_items.elementwise_runs_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _elementwise_lanes(parallel, serial, n, *args):
-    _run_items(_items.elementwise_lanes_item, parallel, _team(serial), n, args)
+def _elementwise_lanes(parallel, thread_num, serial, n, *args):
+    _run_items(_items.elementwise_lanes_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _backward_fused(parallel, serial, n, *args):
-    _run_items(_items.backward_fused_item, parallel, _team(serial), n, args)
+def _backward_fused(parallel, thread_num, serial, n, *args):
+    _run_items(_items.backward_fused_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _backward_fused_short(parallel, serial, n, *args):
-    _run_items(_items.backward_fused_short_item, parallel, _team(serial), n, args)
+def _backward_fused_short(parallel, thread_num, serial, n, *args):
+    _run_items(_items.backward_fused_short_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _forward_fused(parallel, serial, n, *args):
-    _run_items(_items.forward_fused_item, parallel, _team(serial), n, args)
+def _forward_fused(parallel, thread_num, serial, n, *args):
+    _run_items(_items.forward_fused_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _copy_rows(parallel, serial, n, *args):
-    _run_items(_items.copy_rows_item, parallel, _team(serial), n, args)
+def _copy_rows(parallel, thread_num, serial, n, *args):
+    _run_items(_items.copy_rows_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped
 @njit(**_JIT)
-def _transpose_last_two(parallel, serial, n, *args):
-    _run_items(_items.transpose_item, parallel, _team(serial), n, args)
+def _transpose_last_two(parallel, thread_num, serial, n, *args):
+    _run_items(_items.transpose_item, parallel, thread_num, _team(serial), n, args)
 
 
 _layer_ready = False
@@ -328,6 +390,19 @@ def _start_layer() -> None:
     _layer_ready = True
 
 
+def team(torch_team: bool, threads: int) -> tuple[int, int, int]:
+    """``(parallel, thread_num, team)``: what :func:`_run_items` takes to run items on
+    ``threads`` threads of PyTorch's team (``torch_team``) or Numba's pool, for the compiled
+    calls that launch their own passes (kernels.batchnorm's one-call passes); as the
+    launchers below, one thread in a process forked after bngrad._gomp was imported."""
+    if not _layer_ready:
+        _start_layer()
+    if torch_team:
+        return (_gomp.parallel_address(), _gomp.thread_num_address(),
+                1 if _gomp.forked() else threads)
+    return 0, 0, threads
+
+
 def _launchers(torch_team: bool) -> types_.SimpleNamespace:
     """The launchers of one pool: ``name(n, *args)`` runs items 0..n-1 of that kernel."""
     def launcher(jitted: Any, name: str) -> Callable[..., None]:
@@ -337,12 +412,13 @@ def _launchers(torch_team: bool) -> types_.SimpleNamespace:
                     _start_layer()
                 # A process forked after bngrad._gomp was imported runs serially (module
                 # docstring).
-                jitted(_gomp.parallel_address(), _gomp.forked(), n, *args)
+                jitted(_gomp.parallel_address(), _gomp.thread_num_address(), _gomp.forked(), n,
+                       *args)
         else:
             def launch(n: int, *args: Any) -> None:
                 if not _layer_ready:
                     _start_layer()
-                jitted(0, False, n, *args)
+                jitted(0, 0, False, n, *args)
         launch.__name__ = launch.__qualname__ = name
         launch.__doc__ = (f"``{name}``'s work items 0..n-1 on "
                           f"{'PyTorch' if torch_team else 'Numba'}'s threads (see the module "

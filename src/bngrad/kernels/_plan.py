@@ -174,10 +174,10 @@ class KernelPlan:
     threads: int
     forced: bool = False
     serial: bool = False  # the items run on the calling thread (runs_serial)
-    # a training backward or forward runs as one compiled call (the small calls of
-    # kernels.batchnorm): a serial call on the lanes path whose passes take one piece each;
-    # the same items in the same order, so the same bits
-    small: bool = False
+    # a training backward or forward runs as one compiled call (the one-call passes of
+    # kernels.batchnorm): a call on the lanes path whose passes take one piece each; the same
+    # items in the same order, so the same bits
+    one_call: bool = False
     rows: int = 0
     seg: int = 0
     group: int = 0
@@ -250,7 +250,7 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
         reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True)
         elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False)
         return KernelPlan("lanes", shape, threads, forced is not None, serial,
-                          serial and len(reduce_pieces) == 1 and len(elemt_pieces) == 1,
+                          len(reduce_pieces) == 1 and len(elemt_pieces) == 1,
                           reduce_pieces=reduce_pieces, elemt_pieces=elemt_pieces)
     A, C, B = shape
     rows, seg = (1, cfg.tile) if B >= cfg.tile else (max(1, cfg.tile // max(B, 1)), max(B, 1))

@@ -860,15 +860,41 @@ def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
 
 
 # ---------------------------------------------------------------------------------------------
-# small calls: a serial call on the lanes path whose passes take one piece each, the whole array
-# (KernelPlan.small), runs a plain training backward or forward (no fused operands) in one
-# compiled call. Its steps were a dozen dispatches and as many NumPy calls from Python, which
-# cost more than a small array's work; here they are the same compiled steps in the same order
-# (kernels.reduce, elementwise, backward_train, bngrad.api._moments), so they give the same
-# bits. They loop over the items themselves: calling the serial launchers compiled those and
-# then optimised their code again as part of these (about 2 s of CPU per signature). The fused
-# variants keep the launchers: each variant would be another 3-5 s of compile per dtype, for
-# some 15 us per call on arrays too small to matter in a network.
+# one-call passes: a call on the lanes path whose passes take one piece each, the whole array
+# (KernelPlan.one_call), runs a plain training backward or forward (no fused operands) in one
+# compiled call. Its steps were a dozen dispatches and as many NumPy calls from Python, about
+# 100 us of a mid-size channels-last call and more than a small array's work; here they are the
+# same compiled steps in the same order (kernels.reduce, elementwise, backward_train,
+# bngrad.api._moments), so they give the same bits. Their items run on this thread (``launch``
+# None: a serial call) or on a team (``launch`` = (parallel, thread_num, team), as
+# kernels._launch._run_items takes them); a serial call compiles no parallel code, so it starts
+# no pool. The fused variants keep the launchers: each variant would be another 3-5 s of
+# compile per dtype.
+
+def run_items(item: Any, launch: Any, n: Any, args: Any) -> None:
+    """``item(i, *args)`` for i in 0..n-1: on this thread where ``launch`` is None, else on the
+    team ``launch`` names (kernels._launch._run_items) (jitted)."""
+    raise NotImplementedError
+
+
+# Inlined by Numba: a jitted function passed as a value is compiled in as its object's address,
+# which Numba will not cache; inlined, that value is never used, and the item is called as the
+# global it is.
+@overload(run_items, inline="always")
+def _run_items_impl(item, launch, n, args):
+    if isinstance(launch, types.NoneType):
+        call = item.dispatcher
+
+        def on_this_thread(item, launch, n, args):
+            for i in range(n):
+                call(i, *args)
+        return on_this_thread
+    from ._launch import _run_items  # (kernels._launch imports this module)
+
+    def on_team(item, launch, n, args):
+        _run_items(item, launch[0], launch[1], launch[2], n, args)
+    return on_team
+
 
 @njit(inline="always", **_JIT)
 def _spread1(values, repeat, times, L):
@@ -879,40 +905,43 @@ def _spread1(values, repeat, times, L):
 
 
 @njit(inline="always", **_JIT)
-def _lane_sums(x, dy, lane_mean, lane_shift, repeat, times, rows, cols, sum_dy, sum_dy_xmu):
+def _lane_sums(x, dy, lane_mean, lane_shift, repeat, times, rows, cols, sum_dy, sum_dy_xmu,
+               launch):
     """kernels.reduce over one piece, its rows of lanes x: added into sum_dy, sum_dy_xmu."""
     L = x.shape[1]
     partial = np.empty(((x.shape[0] + rows - 1) // rows, 2, L))
-    for item in range(partial.shape[0] * ((L + cols - 1) // cols)):
-        reduce_lanes_item(item, x, dy, None, lane_mean, lane_shift, rows, cols, partial)
+    run_items(reduce_lanes_item, launch, partial.shape[0] * ((L + cols - 1) // cols),
+              (x, dy, None, lane_mean, lane_shift, rows, cols, partial))
     combine_lanes(partial, repeat, times, sum_dy, sum_dy_xmu)
 
 
 @njit(inline="always", **_JIT)
-def _elementwise_small(x, dy, out, coef, repeat, times, rows, cols):
+def _elementwise_one_call(x, dy, out, coef, repeat, times, rows, cols, launch):
     """kernels.elementwise over one piece, its rows of lanes out."""
     L = out.shape[1]
     lanes = np.empty((coef.shape[0], L), coef.dtype)
     spread_lanes(coef, repeat, times, lanes)
-    for item in range(((out.shape[0] + rows - 1) // rows) * ((L + cols - 1) // cols)):
-        elementwise_lanes_item(item, x, dy, None, None, out, None, lanes, rows, cols)
+    run_items(elementwise_lanes_item, launch,
+              ((out.shape[0] + rows - 1) // rows) * ((L + cols - 1) // cols),
+              (x, dy, None, None, out, None, lanes, rows, cols))
 
 
 @njit(**_JIT)
-def backward_small(xr, dyr, xe, dye, out, mean, invstd, weight, count, repeat_r, times_r,
-                   rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, sum_dy, sum_dy_xmu, coef):
-    """kernels.backward_train of a small call: x, dy as the reduction's piece views them
-    (xr, dyr) and as the elementwise pass's does (xe, dye, out); sum_dy, sum_dy_xmu zeros."""
+def backward_one_call(xr, dyr, xe, dye, out, mean, invstd, weight, count, repeat_r, times_r,
+                      rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, sum_dy, sum_dy_xmu,
+                      coef, launch):
+    """kernels.backward_train in one call: x, dy as the reduction's piece views them (xr,
+    dyr) and as the elementwise pass's does (xe, dye, out); sum_dy, sum_dy_xmu zeros."""
     _lane_sums(xr, dyr, _spread1(mean, repeat_r, times_r, xr.shape[1]), None, repeat_r,
-               times_r, rows_r, cols_r, sum_dy, sum_dy_xmu)
+               times_r, rows_r, cols_r, sum_dy, sum_dy_xmu, launch)
     train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef)
-    _elementwise_small(xe, dye, out, coef, repeat_e, times_e, rows_e, cols_e)
+    _elementwise_one_call(xe, dye, out, coef, repeat_e, times_e, rows_e, cols_e, launch)
 
 
 @njit(**_JIT)
-def forward_small(xr, xe, out, first, weight, bias, eps, count, repeat_r, times_r, rows_r,
-                  cols_r, repeat_e, times_e, rows_e, cols_e, mean, var, invstd, coef):
-    """A small call's training forward: bngrad.api._moments (shifted by each channel's first
+def forward_one_call(xr, xe, out, first, weight, bias, eps, count, repeat_r, times_r, rows_r,
+                     cols_r, repeat_e, times_e, rows_e, cols_e, mean, var, invstd, coef, launch):
+    """The training forward in one call: bngrad.api._moments (shifted by each channel's first
     element, or for float64 data, given ``first`` (C,) zeros, by the mean of a first pass,
     which ``first`` None compiles away), the coefficients, the normalize pass
     (kernels.elementwise); xr as the reduction's piece views x, xe and out as the elementwise
@@ -921,7 +950,8 @@ def forward_small(xr, xe, out, first, weight, bias, eps, count, repeat_r, times_
     shift = np.zeros(C)
     if first is not None:  # shift 0 on every lane
         unused, zeros = np.zeros(C), np.zeros(L)
-        _lane_sums(xr, None, zeros, zeros, repeat_r, times_r, rows_r, cols_r, first, unused)
+        _lane_sums(xr, None, zeros, zeros, repeat_r, times_r, rows_r, cols_r, first, unused,
+                   launch)
         for c in range(C):
             shift[c] = first[c] / count
     else:
@@ -929,10 +959,10 @@ def forward_small(xr, xe, out, first, weight, bias, eps, count, repeat_r, times_
             shift[c] = np.float64(to_float(xr[0, c * times_r if repeat_r else c]))
     sum_d, sum_d2 = np.zeros(C), np.zeros(C)
     lanes = _spread1(shift, repeat_r, times_r, L)
-    _lane_sums(xr, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, sum_d, sum_d2)
+    _lane_sums(xr, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, sum_d, sum_d2, launch)
     finish_moments(shift, sum_d, sum_d2, count, mean, var)
     normalize_coefficients(mean, var, eps, weight, bias, invstd, coef)
-    _elementwise_small(xe, None, out, coef, repeat_e, times_e, rows_e, cols_e)
+    _elementwise_one_call(xe, None, out, coef, repeat_e, times_e, rows_e, cols_e, launch)
 
 
 def _like(array: Any, value: Any) -> Any:
