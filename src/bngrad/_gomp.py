@@ -136,6 +136,14 @@ def forked() -> bool:
     return _forked
 
 
+def _loaded() -> _Runtime:
+    """The runtime; RuntimeError where it is unavailable."""
+    runtime = _load()
+    if runtime is None:
+        raise RuntimeError(f"bngrad._gomp is unavailable: {_reason}")
+    return runtime
+
+
 def parallel_address() -> int:
     """The address of ``GOMP_parallel`` in PyTorch's libgomp (for compiled launchers).
 
@@ -144,10 +152,7 @@ def parallel_address() -> int:
     RuntimeError
         If PyTorch's OpenMP runtime is not available (see :func:`unavailable_reason`).
     """
-    runtime = _load()
-    if runtime is None:
-        raise RuntimeError(f"bngrad._gomp is unavailable: {_reason}")
-    return runtime.parallel
+    return _loaded().parallel
 
 
 def thread_num_address() -> int:
@@ -159,10 +164,7 @@ def thread_num_address() -> int:
     RuntimeError
         If PyTorch's OpenMP runtime is not available (see :func:`unavailable_reason`).
     """
-    runtime = _load()
-    if runtime is None:
-        raise RuntimeError(f"bngrad._gomp is unavailable: {_reason}")
-    return runtime.thread_num
+    return _loaded().thread_num
 
 
 # --- who runs bngrad.torch's kernels -------------------------------------------------------------
