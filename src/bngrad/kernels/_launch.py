@@ -27,17 +27,18 @@ any Numba function; inside it, :func:`_run_items` emits the parallel region itse
   team of one (or a single item) the items run on the calling thread and no pool is called
   at all.
 
-Each thread starts on its own contiguous share of the items (share ``t % team`` for thread
-number ``t``: ``omp_get_thread_num`` on PyTorch's team, the layer's ``get_thread_id`` on Numba's
-pool), claiming chunks of ``n // (8 team)`` items (at least 1) from that share's counter; when its
-share is done it claims what is left of the others'. A thread so keeps the same rows from one
-launch to the next (and to PyTorch's own elementwise operators, which split statically too),
-where they are still in its core's cache: an elementwise pass over a (784, 512) float32 array
-whose halves swapped threads every call took 87 us against 47 us (2026-12-01, 2-core EPYC). And
-a thread preempted by another process holds up nobody: the others take its share (a plain
-static split waited for it, 2.1x TBB's time at (32, 64, 784) on 2 loaded cores). Which thread
-runs an item cannot change a bit: items write only their own outputs, and the launch returns
-when all are done (the pool's closing barrier orders their writes before the caller's reads).
+Each thread starts on its own contiguous share of the items (share ``t % shares`` for thread
+number ``t``, ``shares`` being the team's size, at most 64: ``omp_get_thread_num`` on PyTorch's
+team, the layer's ``get_thread_id`` on Numba's pool), claiming chunks of ``n // (8 shares)``
+items (at least 1) from that share's counter; when its share is done it claims what is left of
+the others'. A thread so keeps the same rows from one launch to the next (and to PyTorch's own
+elementwise operators, which split statically too), where they are still in its core's cache:
+an elementwise pass over 401,408 float32 elements whose halves swapped threads every call took
+87 us against 47 us (2026-12-01, 2-core EPYC). And a thread preempted by another process holds
+up nobody: the others take its share (a plain static split waited for it, 2.1x TBB's time at
+(32, 64, 784) on 2 loaded cores). Which thread runs an item cannot change a bit: items write
+only their own outputs, and the launch returns when all are done (the pool's closing barrier
+orders their writes before the caller's reads).
 
 These launchers replaced ``prange`` loops over the same items: a ``prange`` launcher cost about
 1.5 s of compile per signature (Numba's parfor passes, and a gufunc that optimises the item's
