@@ -391,35 +391,32 @@ def _start_layer() -> None:
     _layer_ready = True
 
 
+def _pool(torch_team: bool) -> tuple[int, int, bool]:
+    """``(parallel, thread_num, serial)`` of a launch on PyTorch's team (``torch_team``) or
+    Numba's pool, as :func:`_run_items`'s callers take them. Starts Numba's layer first (the
+    compiled code calls its symbols). A process forked after bngrad._gomp was imported runs
+    PyTorch's team's launches serially (module docstring)."""
+    if not _layer_ready:
+        _start_layer()
+    if torch_team:
+        return _gomp.parallel_address(), _gomp.thread_num_address(), _gomp.forked()
+    return 0, 0, False
+
+
 def team(torch_team: bool, threads: int) -> tuple[int, int, int]:
     """``(parallel, thread_num, team)``: what :func:`_run_items` takes to run items on
     ``threads`` threads of PyTorch's team (``torch_team``) or Numba's pool, for the compiled
     calls that launch their own passes (kernels.batchnorm's one-call passes); as the
     launchers below, one thread in a process forked after bngrad._gomp was imported."""
-    if not _layer_ready:
-        _start_layer()
-    if torch_team:
-        return (_gomp.parallel_address(), _gomp.thread_num_address(),
-                1 if _gomp.forked() else threads)
-    return 0, 0, threads
+    parallel, thread_num, serial = _pool(torch_team)
+    return parallel, thread_num, 1 if serial else threads
 
 
 def _launchers(torch_team: bool) -> types_.SimpleNamespace:
     """The launchers of one pool: ``name(n, *args)`` runs items 0..n-1 of that kernel."""
     def launcher(jitted: Any, name: str) -> Callable[..., None]:
-        if torch_team:
-            def launch(n: int, *args: Any) -> None:
-                if not _layer_ready:
-                    _start_layer()
-                # A process forked after bngrad._gomp was imported runs serially (module
-                # docstring).
-                jitted(_gomp.parallel_address(), _gomp.thread_num_address(), _gomp.forked(), n,
-                       *args)
-        else:
-            def launch(n: int, *args: Any) -> None:
-                if not _layer_ready:
-                    _start_layer()
-                jitted(0, 0, False, n, *args)
+        def launch(n: int, *args: Any) -> None:
+            jitted(*_pool(torch_team), n, *args)
         launch.__name__ = launch.__qualname__ = name
         launch.__doc__ = (f"``{name}``'s work items 0..n-1 on "
                           f"{'PyTorch' if torch_team else 'Numba'}'s threads (see the module "
