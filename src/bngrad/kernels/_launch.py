@@ -316,7 +316,8 @@ def _team(serial):
 
 
 # One jitted launcher per item function; ``*args`` keeps them independent of the items'
-# signatures (they pass through unchanged).
+# signatures (they pass through unchanged). Written out, not made by a factory: Numba's disk
+# cache keys a function on its name and source line, which a factory's closures would share.
 
 @_stamped
 @njit(**_JIT)
