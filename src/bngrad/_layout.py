@@ -56,6 +56,11 @@ class Plan:
         return self._layout.order
 
     @property
+    def layout(self) -> _Layout:
+        """What the plan depends on only through shapes, strides, dtype and channel axis."""
+        return self._layout
+
+    @property
     def copied(self) -> tuple[str, ...]:
         return self._layout.copied
 
@@ -227,20 +232,23 @@ _layouts: dict[tuple, _Layout] = {}
 
 
 def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, threads: int,
-         chunked: bool = False, fusing: bool = False) -> Plan:
+         chunked: bool = False, fusing: bool = False, layout: Optional[_Layout] = None) -> Plan:
     """The canonical views of input (and grad_out, input's shape and dtype) for a call on
     ``threads`` threads (resolved: bngrad._threads.resolve_num_threads), copying what must be
     copied (in parallel where that pays). With ``chunked``, where a copy would be larger than
     ``kernels.Config.copy_chunk_bytes`` the plan's x or dy is a :class:`RowCopies` instead,
     copied a chunk at a time by the kernels' passes (callers that take it: those without the
-    fused operands; ``fusing``: the call would fuse on a ``fused`` plan, see _takes_chunks)."""
-    key = (input.shape, input.strides, input.dtype,
-           None if grad_out is None else grad_out.strides, channel_axis)
-    layout = _layouts.get(key)
+    fused operands; ``fusing``: the call would fuse on a ``fused`` plan, see _takes_chunks).
+    ``layout``: the plan's ``layout`` from an earlier call with the same shapes, strides,
+    dtype and channel axis (bngrad._calls), which saves looking it up."""
     if layout is None:
-        if len(_layouts) >= 256:
-            _layouts.clear()
-        layout = _layouts[key] = _find_layout(input, grad_out, channel_axis)
+        key = (input.shape, input.strides, input.dtype,
+               None if grad_out is None else grad_out.strides, channel_axis)
+        layout = _layouts.get(key)
+        if layout is None:
+            if len(_layouts) >= 256:
+                _layouts.clear()
+            layout = _layouts[key] = _find_layout(input, grad_out, channel_axis)
     copied = layout.copied
     if copied and chunked and _takes_chunks(input, layout, threads, channel_axis, fusing):
         return _chunked_plan(input, grad_out, layout, threads)

@@ -23,6 +23,7 @@ import time
 from typing import Optional
 
 import numba
+from numba.np.ufunc import parallel as _numba_parallel
 
 _TBB_NAMES = ("libtbb.so.12", "libtbb.12.dylib", "tbb12.dll")
 
@@ -241,6 +242,13 @@ def resolve_num_threads(num_threads: Optional[int]) -> int:
 
 
 def current_num_threads() -> int:
+    # numba.get_num_threads() takes two locks, one of them a process lock, on every call to
+    # make sure the pool is started: ~2 us of a small call's ~25. Once it is started, ask the
+    # threading layer directly (the same function Numba calls next).
+    if getattr(_numba_parallel, "_is_initialized", False):
+        count = _numba_parallel._get_num_threads()  # type: ignore[attr-defined]
+        if count > 0:
+            return count
     return numba.get_num_threads()
 
 

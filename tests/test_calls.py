@@ -1,0 +1,158 @@
+"""Repeat calls (bngrad._calls): a call whose signature passed every check before skips the
+checks of structure, and gets bitwise what the full checks give; the checks of values still
+run; calls that are not plain are never taken for a remembered one."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+import bngrad
+from bngrad import _calls
+from conftest import DTYPE_VARIANTS, LAYOUT_PAIRS, MASKS, make_case, mask_id
+
+
+@pytest.fixture(autouse=True)
+def _forget():
+    _calls._known.clear()
+    yield
+    _calls._known.clear()
+
+
+def _bits(results) -> list:
+    return [None if r is None else (r.dtype.str, r.shape, r.tobytes()) for r in results]
+
+
+def _backward(case, **kwargs):
+    return bngrad.batch_norm_backward(*case.args(), **case.kwargs(), **kwargs)
+
+
+def _forward(case, running=True, **kwargs):
+    """A forward on the case's input, with copies of its running statistics."""
+    rm = None if not running or case.running_mean is None else case.running_mean.copy()
+    rv = None if not running or case.running_var is None else case.running_var.copy()
+    result = bngrad.batch_norm_forward(case.input, case.weight, case.weight, rm, rv, case.train,
+                                       **case.kwargs(), **kwargs)
+    return list(result) + [rm, rv]
+
+
+@pytest.mark.parametrize("layouts", [p[1:] for p in LAYOUT_PAIRS
+                                     if p[0] in ("contig", "chlast", "sliced/chlast")],
+                         ids=lambda p: "/".join(p))
+@pytest.mark.parametrize("variant", DTYPE_VARIANTS, ids=lambda v: v.id)
+@pytest.mark.parametrize("mode", ["train", "train-nostats", "eval"])
+def test_a_remembered_call_gives_the_bits_of_a_checked_one(layouts, variant, mode):
+    for shape, axis in (((4, 6, 3, 5), 1), ((40, 12), 1), ((3, 5, 4, 6), -1)):
+        for mask in (MASKS[0], (True, False, False), (False, True, True)):
+            case = make_case(shape, axis, variant, mode, output_mask=mask, layouts=layouts)
+            _calls._known.clear()
+            first = _backward(case)
+            assert len(_calls._known) == 1  # remembered
+            assert _bits(_backward(case)) == _bits(first), (shape, axis, mask_id(mask))
+        if mode == "train-nostats":
+            continue
+        _calls._known.clear()
+        first = _forward(case)
+        assert len(_calls._known) == 1
+        assert _bits(_forward(case)) == _bits(first), (shape, axis)
+
+
+def test_a_remembered_call_into_out_and_on_every_thread_count():
+    case = make_case((8, 16, 5, 5), 1, "float32", "train")
+    expected = _backward(case)
+    for threads, _ in itertools.product((1, 2, 3), range(2)):
+        out = np.empty_like(case.input)
+        result = _backward(case, num_threads=threads, out=out)
+        assert result[0] is out
+        assert _bits(result) == _bits(expected)
+
+
+def _remembered_forward():
+    case = make_case((4, 6, 3, 5), 1, "float32", "train")
+    rm, rv = case.running_mean.copy(), case.running_var.copy()
+    args = [case.input, case.weight, case.weight, rm, rv, True]
+    bngrad.batch_norm_forward(*args)
+    assert len(_calls._known) == 1
+    return args
+
+
+@pytest.mark.parametrize("change, kwargs, error, message", [
+    ("negative running_var", {}, bngrad.ArgumentValueError, "running_var: expected variances"),
+    ("read-only running_mean", {}, bngrad.ArgumentValueError, "running_mean: expected a writable"),
+    (None, {"eps": -1.0}, bngrad.ArgumentValueError, "eps:"),
+    (None, {"momentum": float("nan")}, bngrad.ArgumentValueError, "momentum:"),
+    (None, {"num_threads": 0}, bngrad.ArgumentValueError, "num_threads:"),
+    (None, {"num_threads": 1.5}, bngrad.ArgumentTypeError, "num_threads:"),
+    ("out overlapping input", {}, bngrad.ArgumentValueError, "out: overlaps input"),
+    ("read-only out", {}, bngrad.ArgumentValueError, "out: expected a writable"),
+    ("out of another dtype", {}, bngrad.ArgumentTypeError, "out: expected the dtype"),
+])
+def test_a_remembered_forward_still_checks_values(change, kwargs, error, message):
+    args = _remembered_forward()
+    x, rm, rv = args[0], args[3], args[4]
+    if change == "negative running_var":
+        rv[2] = -1.0
+    elif change == "read-only running_mean":
+        rm.flags.writeable = False
+    elif change == "out overlapping input":
+        buffer = np.concatenate([x.ravel(), x.ravel()])
+        args[0] = buffer[:x.size].reshape(x.shape)
+        kwargs = {"out": buffer[1:x.size + 1].reshape(x.shape)}
+    elif change == "read-only out":
+        out = np.empty_like(x)
+        out.flags.writeable = False
+        kwargs = {"out": out}
+    elif change == "out of another dtype":
+        kwargs = {"out": np.empty(x.shape)}
+    with pytest.raises(error, match=message):
+        bngrad.batch_norm_forward(*args, **kwargs)
+
+
+def test_a_remembered_backward_still_checks_values():
+    case = make_case((4, 6, 3, 5), 1, "float32", "eval")
+    _backward(case)
+    assert len(_calls._known) == 1
+    with pytest.raises(bngrad.ArgumentValueError, match="eps:"):
+        bngrad.batch_norm_backward(*case.args()[:8], -1.0, case.output_mask)
+    case.running_var[1] = -2.0
+    with pytest.raises(bngrad.ArgumentValueError, match="running_var: expected variances"):
+        _backward(case)
+    case.running_var[1] = 1.0
+    with pytest.raises(bngrad.ArgumentValueError, match="out: overlaps grad_out"):
+        _backward(case, out=case.grad_out[::-1])
+    train = make_case((4, 6, 3, 5), 1, "float32", "train")
+    _backward(train)
+    with pytest.raises(bngrad.ArgumentValueError, match="save_mean, save_invstd: expected both"):
+        bngrad.batch_norm_backward(*train.args()[:5], train.save_mean, np.empty(0, np.float32),
+                                   True)
+
+
+@pytest.mark.parametrize("unusual, error", [
+    ({"train": 1}, bngrad.ArgumentTypeError),          # equal to True as a key, not a bool
+    ({"channel_axis": True}, bngrad.ArgumentTypeError),  # equal to 1 as a key, not an int
+    ({"channel_axis": 1.0}, bngrad.ArgumentTypeError),
+    ({"output_mask": (1, 1, 1)}, bngrad.ArgumentValueError),
+])
+def test_values_equal_to_a_remembered_signature_are_still_refused(unusual, error):
+    case = make_case((4, 6, 3, 5), 1, "float32", "train")
+    _backward(case)
+    kwargs = {"train": True, "output_mask": (True, True, True), "channel_axis": 1, **unusual}
+    with pytest.raises(error):
+        bngrad.batch_norm_backward(*case.args()[:7], kwargs.pop("train"), 1e-5,
+                                   kwargs.pop("output_mask"), **kwargs)
+    assert len(_calls._known) == 1
+
+
+def test_calls_that_are_not_plain_are_checked_in_full_and_not_remembered():
+    case = make_case((4, 6, 3, 5), 1, "float64", "train")
+    expected = _backward(case)
+    _calls._known.clear()
+    as_lists = [case.grad_out, case.input.tolist(), case.weight.tolist(), None, None,
+                case.save_mean, case.save_invstd, np.True_, 1e-5, [True, True, True]]
+    assert _bits(bngrad.batch_norm_backward(*as_lists)) == _bits(expected)
+    assert not _calls._known
+    with pytest.raises(bngrad.ArgumentValueError, match="weight: expected shape"):
+        bngrad.batch_norm_backward(*case.args()[:2], case.weight[:3], *case.args()[3:])
+    assert not _calls._known  # a refused call is not remembered
