@@ -156,3 +156,32 @@ def test_calls_that_are_not_plain_are_checked_in_full_and_not_remembered():
     with pytest.raises(bngrad.ArgumentValueError, match="weight: expected shape"):
         bngrad.batch_norm_backward(*case.args()[:2], case.weight[:3], *case.args()[3:])
     assert not _calls._known  # a refused call is not remembered
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16-p32"])
+@pytest.mark.parametrize("layouts", [("contig", "contig"), ("chlast", "contig")],
+                         ids=lambda p: "/".join(p))
+def test_fused_calls_share_what_is_remembered(variant, layouts):
+    """bngrad.fused's calls go through the same checks: a fused call after a plain one of the
+    same signature (and the reverse) gives the bits it gives alone."""
+    from bngrad import fused
+    case = make_case((4, 6, 3, 5), 1, variant, "train", layouts=layouts)
+    side = case.grad_out[::-1].copy()
+
+    def fused_pair():
+        forward = fused.batch_norm_relu_forward(case.input, case.weight, case.weight,
+                                                side_input=side)
+        backward = fused.batch_norm_relu_backward(case.grad_out, case.input, case.weight, None,
+                                                  None, forward[1], forward[2],
+                                                  relu_mask=forward[3])
+        return list(forward) + list(backward)
+
+    alone = _bits(fused_pair())
+    assert len(_calls._known) == 2
+    assert _bits(fused_pair()) == alone
+    _calls._known.clear()
+    _, mean, invstd = bngrad.batch_norm_forward(case.input, case.weight, case.weight)
+    bngrad.batch_norm_backward(case.grad_out, case.input, case.weight, None, None, mean, invstd)
+    assert len(_calls._known) == 2
+    assert _bits(fused_pair()) == alone
+    assert len(_calls._known) == 2  # the plain calls' signatures served the fused ones

@@ -176,9 +176,9 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     the output passes) of input's shape laid out in the kernels' memory order (input's, or C
     order); for "bits", 1-D uint8, one bit per element in that memory order (kernels'
     docstring); else None."""
-    signature = (None if side_input is not None or relu is not None else
-                 _calls.forward_signature(input, weight, bias, running_mean, running_var, train,
-                                          channel_axis))
+    # (side_input and relu, checked by bngrad.fused, change nothing that is remembered)
+    signature = _calls.forward_signature(input, weight, bias, running_mean, running_var, train,
+                                         channel_axis)
     known = _calls.find(signature)
     if known is None:  # every check (a call of this signature that passes them is remembered)
         input = check.data_array("input", input)
@@ -316,10 +316,10 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     ``grad_side`` the masked gradient g is also returned
     (grad_side_input, written by the pass that writes grad_input). Returns (grad_input,
     grad_weight, grad_bias, g or None)."""
-    signature = (None if relu is not None or relu_bits is not None or grad_side else
-                 _calls.backward_signature(grad_out, input, weight, running_mean, running_var,
-                                           save_mean, save_invstd, train, output_mask,
-                                           channel_axis))
+    # (relu, relu_bits and grad_side, checked by bngrad.fused, change nothing remembered)
+    signature = _calls.backward_signature(grad_out, input, weight, running_mean, running_var,
+                                          save_mean, save_invstd, train, output_mask,
+                                          channel_axis)
     known = _calls.find(signature)
     save_mean, save_invstd = check.save_stats(save_mean, save_invstd)
     if known is None:  # every check (a call of this signature that passes them is remembered)
