@@ -45,7 +45,8 @@ def is_supported_device(tensor: torch.Tensor) -> bool:
     Everything else (CUDA, MPS, meta, sparse, ...) is left to PyTorch by the callers. Kept as one
     small function so the fallback path can be tested on a CPU-only machine by patching it.
     """
-    return tensor.device.type == "cpu" and tensor.layout == torch.strided
+    # (``is_cpu`` is a flag; ``device`` builds an object on every call, of every layer)
+    return tensor.is_cpu and tensor.layout == torch.strided
 
 
 def numpy_dtype(dtype: torch.dtype, name: str = "tensor") -> np.dtype:

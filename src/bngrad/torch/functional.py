@@ -131,7 +131,7 @@ def _verify_eps(eps: float, training: bool) -> None:
     # Same checks and messages as torch.nn.functional.batch_norm (eps = 0 in training divides
     # a constant channel by zero). Values that are not numbers, NaN and inf are refused by
     # bngrad's own check, which names them.
-    if not isinstance(eps, numbers.Real):
+    if type(eps) is not float and not isinstance(eps, numbers.Real):  # (float: no ABC check)
         return
     if training and eps <= 0.0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {eps}")
