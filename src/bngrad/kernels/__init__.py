@@ -322,9 +322,10 @@ def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
     return _piece_rows(aux, piece)
 
 
-def _piece_args(piece: LanePiece) -> tuple[bool, int, int, int]:
-    """A piece's spread and tiles as the one-call passes take them (kernels.batchnorm)."""
-    return piece.spread == "repeat", piece.times, piece.rows, piece.cols
+def _lanes(a: np.ndarray, lanes: int) -> np.ndarray:
+    """A one-call plan's piece (all of canonical array ``a``) as rows of ``lanes`` lanes
+    (KernelPlan.one_call_lanes; 0: as it is)."""
+    return a.reshape(-1, lanes) if lanes else a
 
 
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
@@ -371,14 +372,15 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
     if not one_call and (x.dtype != np.float64 or plan.path != "fused"):
         return None
     C = x.shape[1]
-    mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
     if one_call:
-        r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
-        k.forward_one_call(_piece_rows(x, r), _piece_rows(x, e), _piece_rows(out, e),
+        stats = np.empty((3, C))
+        lanes_r, lanes_e = plan.one_call_lanes
+        k.forward_one_call(_lanes(x, lanes_r), _lanes(x, lanes_e), _lanes(out, lanes_e),
                            np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
-                           float(eps), float(count), *_piece_args(r), *_piece_args(e), mean,
-                           var, invstd, np.empty((4, C), dtype=dtype), _team(plan))
-        return mean, var, invstd
+                           float(eps), float(count), plan.one_call_tiles, stats,
+                           np.empty((4, C), dtype=dtype), _team(plan))
+        return stats[0], stats[1], stats[2]
+    mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
     launcher(plan.serial, C).forward_fused(C, x, z, out, aux, weight, bias, float(eps),
                                            float(count), plan.rows, plan.seg, mean, var, invstd,
                                            np.empty((4, C), dtype=dtype))
@@ -393,13 +395,13 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
     if (plan.one_call and y is None and aux is None and isinstance(x, np.ndarray)
             and isinstance(dy, np.ndarray)):
         C = x.shape[1]
-        sum_dy, sum_dy_xmu = np.zeros(C), np.zeros(C)
-        r, e = plan.reduce_pieces[0], plan.elemt_pieces[0]
-        k.backward_one_call(_piece_rows(x, r), _piece_rows(dy, r), _piece_rows(x, e),
-                            _piece_rows(dy, e), _piece_rows(out, e), mean, invstd, weight,
-                            float(count), *_piece_args(r), *_piece_args(e), sum_dy, sum_dy_xmu,
+        sums = np.zeros((2, C))
+        lanes_r, lanes_e = plan.one_call_lanes
+        k.backward_one_call(_lanes(x, lanes_r), _lanes(dy, lanes_r), _lanes(x, lanes_e),
+                            _lanes(dy, lanes_e), _lanes(out, lanes_e), mean, invstd, weight,
+                            float(count), plan.one_call_tiles, sums,
                             np.empty((4, C), dtype=dtype), _team(plan))
-        return sum_dy, sum_dy_xmu
+        return sums[0], sums[1]
     if plan.path in ("fused", "fused_short") and isinstance(x, np.ndarray) and isinstance(
             dy, np.ndarray):
         C = x.shape[1]

@@ -184,6 +184,11 @@ class KernelPlan:
     fused_group: int = 0
     reduce_pieces: tuple[LanePiece, ...] = ()
     elemt_pieces: tuple[LanePiece, ...] = ()
+    # a one-call plan's two pieces (each the whole array) as the one-call passes take them: the
+    # lanes of their rows (0: the canonical array as it is), and (spread "repeat", times, rows,
+    # cols) of the reduction's piece, then of the elementwise pass's
+    one_call_lanes: tuple[int, int] = (0, 0)
+    one_call_tiles: tuple = ()
 
     @property
     def short(self) -> bool:
@@ -249,9 +254,15 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     if len(shape) == 2 or forced == "lanes" or (forced is None and shape[2] < cfg.short_run):
         reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True)
         elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False)
-        return KernelPlan("lanes", shape, threads, forced is not None, serial,
-                          len(reduce_pieces) == 1 and len(elemt_pieces) == 1,
-                          reduce_pieces=reduce_pieces, elemt_pieces=elemt_pieces)
+        if len(reduce_pieces) != 1 or len(elemt_pieces) != 1:
+            return KernelPlan("lanes", shape, threads, forced is not None, serial,
+                              reduce_pieces=reduce_pieces, elemt_pieces=elemt_pieces)
+        r, e = reduce_pieces[0], elemt_pieces[0]
+        return KernelPlan("lanes", shape, threads, forced is not None, serial, True,
+                          reduce_pieces=reduce_pieces, elemt_pieces=elemt_pieces,
+                          one_call_lanes=(r.lanes if r.spread else 0, e.lanes if e.spread else 0),
+                          one_call_tiles=(r.spread == "repeat", r.times, r.rows, r.cols,
+                                          e.spread == "repeat", e.times, e.rows, e.cols))
     A, C, B = shape
     rows, seg = (1, cfg.tile) if B >= cfg.tile else (max(1, cfg.tile // max(B, 1)), max(B, 1))
     fuses = C >= cfg.fused_channels_per_thread * threads

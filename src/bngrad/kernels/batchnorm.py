@@ -927,11 +927,13 @@ def _elementwise_one_call(x, dy, out, coef, repeat, times, rows, cols, launch):
 
 
 @njit(**_JIT)
-def backward_one_call(xr, dyr, xe, dye, out, mean, invstd, weight, count, repeat_r, times_r,
-                      rows_r, cols_r, repeat_e, times_e, rows_e, cols_e, sum_dy, sum_dy_xmu,
-                      coef, launch):
+def backward_one_call(xr, dyr, xe, dye, out, mean, invstd, weight, count, tiles, sums, coef,
+                      launch):
     """kernels.backward_train in one call: x, dy as the reduction's piece views them (xr,
-    dyr) and as the elementwise pass's does (xe, dye, out); sum_dy, sum_dy_xmu zeros."""
+    dyr) and as the elementwise pass's does (xe, dye, out); ``tiles`` the pieces' spread and
+    tiles (KernelPlan.one_call_tiles); sums (2, C) zeros, made (sum_dy, sum_dy_xmu)."""
+    repeat_r, times_r, rows_r, cols_r, repeat_e, times_e, rows_e, cols_e = tiles
+    sum_dy, sum_dy_xmu = sums[0], sums[1]
     _lane_sums(xr, dyr, _spread1(mean, repeat_r, times_r, xr.shape[1]), None, repeat_r,
                times_r, rows_r, cols_r, sum_dy, sum_dy_xmu, launch)
     train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, coef)
@@ -939,13 +941,15 @@ def backward_one_call(xr, dyr, xe, dye, out, mean, invstd, weight, count, repeat
 
 
 @njit(**_JIT)
-def forward_one_call(xr, xe, out, first, weight, bias, eps, count, repeat_r, times_r, rows_r,
-                     cols_r, repeat_e, times_e, rows_e, cols_e, mean, var, invstd, coef, launch):
+def forward_one_call(xr, xe, out, first, weight, bias, eps, count, tiles, stats, coef, launch):
     """The training forward in one call: bngrad.api._moments (shifted by each channel's first
     element, or for float64 data, given ``first`` (C,) zeros, by the mean of a first pass,
     which ``first`` None compiles away), the coefficients, the normalize pass
     (kernels.elementwise); xr as the reduction's piece views x, xe and out as the elementwise
-    pass's. Writes mean, var, invstd (float64) and coef."""
+    pass's; ``tiles`` as backward_one_call's. Writes stats (3, C) = (mean, biased var,
+    invstd) in float64, and coef."""
+    repeat_r, times_r, rows_r, cols_r, repeat_e, times_e, rows_e, cols_e = tiles
+    mean, var, invstd = stats[0], stats[1], stats[2]
     C, L = mean.shape[0], xr.shape[1]
     shift = np.zeros(C)
     if first is not None:  # shift 0 on every lane
