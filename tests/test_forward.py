@@ -277,6 +277,13 @@ def test_running_update_is_numpys_expression_bitwise(dtype):
                 expect_var = ((1 - momentum) * start_var + momentum * unbiased).astype(dt)
             assert_bitwise_equal(rm, expect_mean, f"running_mean {momentum} {count}")
             assert_bitwise_equal(rv, expect_var, f"running_var {momentum} {count}")
+            for alone, expect, other in ((0, expect_mean, 1), (1, expect_var, 0)):
+                stats = [None, None]  # one of them given: the other is skipped
+                stats[alone] = (start_mean if alone == 0 else start_var).copy()
+                with np.errstate(invalid="ignore", over="ignore"):
+                    kernels.update_running_stats(*stats, mean, var, momentum, count)
+                assert stats[other] is None
+                assert_bitwise_equal(stats[alone], expect, f"alone {alone} {momentum} {count}")
 
 
 @pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])

@@ -281,7 +281,13 @@ def update_running_stats(running_mean: Optional[np.ndarray], running_var: Option
     """running = (1 - momentum) * running + momentum * batch statistic, in place (None:
     skipped), exactly as NumPy evaluates it on the running statistic's dtype; the variance's
     batch statistic is unbiased (count 1: NaN, as in PyTorch). float32 and float64 in one
-    compiled call each (kernels.batchnorm.update_running), halves by NumPy."""
+    compiled call for both (kernels.batchnorm.update_running_pair), halves by NumPy."""
+    if ((running_mean is None or running_mean.dtype in _COMPILED_STATS)
+            and (running_var is None or running_var.dtype in _COMPILED_STATS)):
+        if running_mean is not None or running_var is not None:
+            k.update_running_pair(running_mean, running_var, mean, var, float(momentum),
+                                  int(count))
+        return
     for running, stat, unbiased in ((running_mean, mean, False), (running_var, var, True)):
         if running is None:
             continue

@@ -996,6 +996,16 @@ def first_negative(values):
 
 
 @njit(**_JIT)
+def update_running_pair(running_mean, running_var, mean, var, momentum, count):
+    """update_running on both running statistics in one call (None: skipped; a None argument
+    compiles its update away), the variance's batch statistic unbiased."""
+    if running_mean is not None:
+        update_running(running_mean, mean, momentum, count, False)
+    if running_var is not None:
+        update_running(running_var, var, momentum, count, True)
+
+
+@njit(**_JIT)
 def update_running(running, stat, momentum, count, unbiased):
     """running = (1 - momentum) * running + momentum * batch, batch = stat, or with
     ``unbiased`` stat * count / (count - 1) (NaN for count 1, as in PyTorch)."""
