@@ -130,9 +130,10 @@ def test_chunked_backward_against_the_reference(grid, mode):
 
 
 @pytest.mark.parametrize("path", ["fused", "runs", "fused_short", "short"])
-def test_a_fused_training_backward_copies_whole(path, monkeypatch):
-    """The fused training backward reads a whole copy once, where chunks would make it two
-    passes that each copy again: on a fused plan it copies whole; everything else chunks."""
+def test_grad_out_is_copied_into_grad_input(path, monkeypatch):
+    """A backward that computes grad_input copies grad_out into grad_input's buffer and
+    computes in place, on every path: no chunks, and the bits of a separate copy (above).
+    Without grad_input (or for the sums alone) grad_out is copied a chunk at a time."""
     made = []
     rows = _layout.RowCopies.rows
     monkeypatch.setattr(_layout.RowCopies, "rows", lambda self, r0, r1: made.append(r0) or rows(
@@ -141,10 +142,19 @@ def test_a_fused_training_backward_copies_whole(path, monkeypatch):
     with kernels.override(tile=80), kernels.forced_path(path):
         with kernels.override(copy_chunk_bytes=_block_bytes(case)):
             bngrad.batch_norm_backward(*case.args())
-            assert bool(made) == (path in ("runs", "short"))
-            made.clear()
+            case.train = False
+            bngrad.batch_norm_backward(*case.args())
+            bngrad.batch_norm_backward_elemt(case.grad_out, case.input, case.save_mean,
+                                             case.save_invstd, case.weight,
+                                             np.ones(5, np.float32), np.ones(5, np.float32),
+                                             9 * 40)
+            assert not made
             case.output_mask = (False, True, True)
             bngrad.batch_norm_backward(*case.args())
+            assert made
+            made.clear()
+            bngrad.batch_norm_backward_reduce(case.grad_out, case.input, case.save_mean,
+                                              case.save_invstd)
             assert made
 
 
@@ -175,21 +185,26 @@ def _peak_bytes(fn):
 
 @pytest.mark.parametrize("pair", [("contig", "chlast"), ("chlast", "contig"), ("sliced", "contig")],
                          ids="/".join)
-def test_chunks_keep_the_extra_memory_small(pair):
+@pytest.mark.parametrize("mask", [(True, True, True), (False, True, True)], ids=["dx", "no-dx"])
+def test_chunks_keep_the_extra_memory_small(pair, mask):
     """A backward with out= given allocates only its temporaries: a whole copy of the
     (8, 32, 32, 32) float32 array (1 MiB) without chunks, less than a quarter of it with
     chunks of 128 KiB (with tiles small enough that a reduction's row block is no larger: a
-    sample, or 512 channels-last rows)."""
+    sample, or 512 channels-last rows); and less than a quarter whatever the budget where only
+    grad_out is copied for a grad_input (into grad_input's buffer)."""
     case = make_case((8, 32, 32, 32), layouts=pair)
-    out = np.empty_like(case.input)
+    case.output_mask = mask
+    out = np.empty_like(case.input) if mask[0] else None
 
     def backward():
         bngrad.batch_norm_backward(*case.args(), out=out)
     size = case.input.nbytes
-    for budget, fits in ((WHOLE, lambda peak: peak >= size),
+    in_output = mask[0] and pair[0] != "sliced"
+    for budget, fits in ((WHOLE, lambda peak: (peak < size // 4) if in_output else peak >= size),
                          (1 << 17, lambda peak: peak < size // 4)):
+        # not fused: chunks; channels-last rows not folded: lane partial sums of 32 KiB
         with kernels.override(copy_chunk_bytes=budget, tile=1024, min_block_rows=4,
-                              fused_channels_per_thread=1 << 20):  # not fused: chunks
+                              fused_channels_per_thread=1 << 20, fold_lanes=32):
             backward()  # compiled, layout found and scratch allocated before measuring
             peak = _peak_bytes(backward)
             assert fits(peak), (budget, peak, size)

@@ -1,5 +1,5 @@
 """kernels.transpose_last_two (the copy that lays grad_out out like input, or the reverse)
-against NumPy: every kernel element type, shapes with and without 8 x 8 and 32 x 32 edges,
+against NumPy: every kernel element type, shapes with and without 8 x 8 and tile edges,
 serial and parallel."""
 
 import numpy as np

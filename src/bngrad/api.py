@@ -14,7 +14,7 @@ import numpy as np
 from . import _calls, _dtypes
 from . import _validate as check
 from . import kernels
-from ._layout import Plan, finish_output, plan
+from ._layout import Plan, plan
 from ._threads import resolve_num_threads
 from .errors import ArgumentValueError
 
@@ -243,7 +243,7 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
             if input.size:
                 kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x, z=z,
                                     aux=mask_kernel)
-    output = finish_output(output, out)
+    output = layout.finish_output(output, out)
 
     if train:
         return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), mask
@@ -349,7 +349,8 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
 
     layout = plan(input, grad_out, axis, resolve_num_threads(threads),
                   chunked=relu is None and relu_bits is None and not grad_side,
-                  fusing=train and mask[0], layout=None if known is None else known.layout)
+                  fusing=train and mask[0], layout=None if known is None else known.layout,
+                  grad_in_output=mask[0])
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, out_dtype, layout.layout))
     with kernels.region(layout.kernel):
@@ -395,7 +396,7 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
                     kernels.elementwise(layout.kernel, side_kernel, coef, dy=layout.grad, y=y)
 
     if grad_input is not None:  # mask[0]
-        grad_input = finish_output(grad_input, out)
+        grad_input = layout.finish_output(grad_input, out)
     grad_weight = grad_bias = None
     if mask[1] or mask[2]:
         assert sums is not None  # every branch above takes the sums when these are asked for
@@ -493,7 +494,8 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     total = check.count(count)
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, grad_out)
-    layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True)
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True,
+                  grad_in_output=True)
     with kernels.region(layout.kernel):
         grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         if input.size:
@@ -501,7 +503,7 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
                                               f64["invstd"], _f64(weight, n_channels, 1.0),
                                               total, _dtypes.compute_dtype(input.dtype))
             kernels.elementwise(layout.kernel, grad_kernel, coef, layout.x, layout.grad)
-    return finish_output(grad_input, out)
+    return layout.finish_output(grad_input, out)
 
 
 def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
@@ -525,7 +527,8 @@ def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
     str
         Several lines, for printing. Copies that the plan needs are made to find it out
         (those larger than ``kernels.Config.copy_chunk_bytes``, which the plain forward and
-        backward make a chunk of rows at a time, are not made: "in chunks").
+        backward make a chunk of rows at a time, are not made: "in chunks"). A backward that
+        computes grad_input copies grad_out into grad_input's own buffer instead, whole.
     """
     if grad_out is None:
         input = check.data_array("input", input)
@@ -536,6 +539,8 @@ def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
     layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True)
     chunks = " (in chunks)" if not isinstance(layout.x, np.ndarray) or not isinstance(
         layout.dy, (np.ndarray, type(None))) else ""
+    copied = [name + (" (into grad_input's buffer where grad_input is computed)"
+                      if name == "grad_out" else "") for name in layout.copied]
     return (f"input {input.shape} {input.dtype.name}, channel axis {axis}: memory order "
             f"{layout.order}, kernel view {layout.x.shape} {layout.x.dtype.name}, copied: "
-            f"{', '.join(layout.copied) or 'nothing'}{chunks}\n{layout.kernel!r}")
+            f"{', '.join(copied) or 'nothing'}{chunks}\n{layout.kernel!r}")

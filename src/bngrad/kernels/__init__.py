@@ -443,10 +443,11 @@ def copy_rows(source: np.ndarray, out: np.ndarray, threads: int) -> None:
 
 
 def transpose_last_two(source: np.ndarray, out: np.ndarray, threads: int) -> None:
-    """out[a, q, p] = source[a, p, q], both C-contiguous, in tiles of 32 x 32, in parallel on
+    """out[a, q, p] = source[a, p, q], both C-contiguous, in tiles of
+    ``TRANSPOSE_ROWS x TRANSPOSE_COLS`` of the source (kernels.batchnorm), in parallel on
     ``threads`` threads where it pays."""
     A, C, B = out.shape
-    n = A * _ceil_div(C, 32) * _ceil_div(B, 32)
+    n = A * _ceil_div(C, k.TRANSPOSE_COLS) * _ceil_div(B, k.TRANSPOSE_ROWS)
     run = launcher(runs_serial(out.size, threads), n)
     with _NO_REGION if run is serial else parallel_region(threads):
         run.transpose_last_two(n, source, out)

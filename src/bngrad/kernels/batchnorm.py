@@ -115,15 +115,48 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
 # atomic incref and decref of its array's refcount (locked instructions, contended between
 # threads), a third of a channels-last forward's time before they were inlined.
 @njit(inline="always", **_JIT)
-def _map(x, dy, y, z, out, aux, scale, proj, shift, mean):
-    """out = elementwise(x, dy, y, z), and aux (kernels._ops.finish), over 1-D slices that
-    start at 0, so that LLVM vectorises (None: not an operand). Coefficients: one channel's
-    scalars or per-lane vectors."""
+def _map_loop(x, dy, y, z, out, aux, scale, proj, shift, mean):
     for i in range(out.shape[0]):
         d = take(dy, i)  # loaded once, before out (which may be dy) is written
         r = take(y, i)
         out[i] = finish(elementwise(take(x, i), d, r, take(z, i), take(scale, i), take(proj, i),
                                     take(shift, i), take(mean, i)), out, aux, i, d, r)
+
+
+@intrinsic
+def _same_data(typingctx, a, b):
+    """Whether arrays ``a`` and ``b`` start at the same address."""
+    def codegen(context, builder, signature, args):
+        a_data, b_data = (context.make_array(t)(context, builder, v).data
+                          for t, v in zip(signature.args, args))
+        return builder.icmp_unsigned("==", builder.ptrtoint(a_data, ir.IntType(64)),
+                                     builder.ptrtoint(b_data, ir.IntType(64)))
+    return types.boolean(a, b), codegen
+
+
+def _map(x: Any, dy: Any, y: Any, z: Any, out: Any, aux: Any, scale: Any, proj: Any,
+         shift: Any, mean: Any) -> None:
+    """out = elementwise(x, dy, y, z), and aux (kernels._ops.finish), over 1-D slices that
+    start at 0, so that LLVM vectorises (None: not an operand). Coefficients: one channel's
+    scalars or per-lane vectors. (Jitted; inlined, as the row helpers above.)"""
+    raise NotImplementedError
+
+
+@overload(_map, inline="always")
+def _map_impl(x, dy, y, z, out, aux, scale, proj, shift, mean):
+    if not isinstance(dy, types.Array):
+        return lambda x, dy, y, z, out, aux, scale, proj, shift, mean: _map_loop(
+            x, dy, y, z, out, aux, scale, proj, shift, mean)
+
+    # dy in place, in out (grad_out copied into grad_input's buffer, bngrad._layout; or
+    # out=grad_out): read through out, which LLVM then sees is one array, and vectorises. Two
+    # arrays at one address fail its overlap check and run the scalar loop (bfloat16 2x slower).
+    def in_place_or_not(x, dy, y, z, out, aux, scale, proj, shift, mean):
+        if _same_data(dy, out):
+            _map_loop(x, out, y, z, out, aux, scale, proj, shift, mean)
+        else:
+            _map_loop(x, dy, y, z, out, aux, scale, proj, shift, mean)
+    return in_place_or_not
 
 
 @intrinsic
@@ -682,19 +715,27 @@ def _transpose8(typingctx, source, b0, c0, out):
     return types.void(source, b0, c0, out), _transpose8_codegen
 
 
+# A transpose's item: TRANSPOSE_ROWS rows x TRANSPOSE_COLS columns of the source. Items run
+# along a band of source rows first, so that the source is read in order, a band at a time, and
+# each item writes TRANSPOSE_COLS rows of out a few cache lines each. (32 x 32 tiles taken down
+# the columns first read the source in strides: (32, 3136, 256) float32 NHWC -> NCHW 18-20 ms,
+# these 11-12 ms, and the reverse 19 -> 12 ms; docs/internals.md.)
+TRANSPOSE_ROWS, TRANSPOSE_COLS = 128, 64
+
+
 @njit(**_JIT)
 def transpose_item(item, source, out):
-    """Tile ``item`` of out[a, q, p] = source[a, p, q], both C-contiguous, in tiles of 32 x 32
-    so that both sides are read and written a cache line at a time, 8 x 8 blocks at a time
+    """Tile ``item`` of out[a, q, p] = source[a, p, q], both C-contiguous: 8 x 8 blocks
     (_transpose8: (16, 64, 3136) float32 2.51 -> 0.95 ms, int16 2.49 -> 0.25 ms on two
-    threads; benchmarks/results/2026-12-01-session9.txt); the edges element by element."""
+    threads; benchmarks/results/2026-12-01-session9.txt) down each block of 8 columns, the
+    edges element by element."""
     A, C, B = out.shape
-    t = 32
-    n_c, n_b = (C + t - 1) // t, (B + t - 1) // t
-    rest, jb = item // n_b, item % n_b
-    src, dst, jc = source[rest // n_c], out[rest // n_c], rest % n_c
-    c_start, b_start = jc * t, jb * t
-    c_end, b_end = min(C, c_start + t), min(B, b_start + t)
+    n_c = (C + TRANSPOSE_COLS - 1) // TRANSPOSE_COLS
+    n_b = (B + TRANSPOSE_ROWS - 1) // TRANSPOSE_ROWS
+    rest, jc = item // n_c, item % n_c
+    src, dst, jb = source[rest // n_b], out[rest // n_b], rest % n_b
+    c_start, b_start = jc * TRANSPOSE_COLS, jb * TRANSPOSE_ROWS
+    c_end, b_end = min(C, c_start + TRANSPOSE_COLS), min(B, b_start + TRANSPOSE_ROWS)
     c8 = c_start + (c_end - c_start) // 8 * 8
     b8 = b_start + (b_end - b_start) // 8 * 8
     for c in range(c_start, c8, 8):
