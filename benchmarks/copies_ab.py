@@ -28,9 +28,11 @@ import layer_ab  # noqa: E402
 CASES = [((32, 256, 56, 56), np.float32, "x NCHW, dy NHWC"),
          ((32, 256, 56, 56), np.float32, "x NHWC, dy NCHW"),
          ((32, 256, 56, 56), ml_dtypes.bfloat16, "x NCHW, dy NHWC"),
-         ((32, 256, 56, 56), np.float32, "sliced"),
+         ((32, 256, 56, 56), np.float32, "x sliced"),
+         ((32, 256, 56, 56), np.float32, "both sliced"),
          ((16, 64, 56, 56), np.float32, "x NCHW, dy NHWC"),
-         ((16, 64, 56, 56), np.float32, "sliced"),
+         ((16, 64, 56, 56), np.float32, "x sliced"),
+         ((4096, 1024), np.float32, "x sliced"),
          ((32, 256, 56, 56), np.float32, "same")]
 
 
@@ -38,14 +40,16 @@ def _arrays(shape: tuple, dtype: type, kind: str, rng: np.random.Generator):
     def channels_last(a):
         return np.ascontiguousarray(a.transpose(0, 2, 3, 1)).transpose(0, 3, 1, 2)
 
-    def sliced(a):  # a crop of arrays 8 columns wider
-        return np.pad(a, ((0, 0), (0, 0), (0, 0), (0, 8)))[..., :shape[3]]
+    def sliced(a):  # a crop of an array 8 wider on the last axis
+        return np.pad(a, ((0, 0),) * (a.ndim - 1) + ((0, 8),))[..., :shape[-1]]
     x, dy = (rng.standard_normal(shape, dtype=np.float32).astype(dtype) for _ in range(2))
     if kind == "x NCHW, dy NHWC":
         dy = channels_last(dy)
     elif kind == "x NHWC, dy NCHW":
         x = channels_last(x)
-    elif kind == "sliced":
+    elif kind == "x sliced":
+        x = sliced(x)
+    elif kind == "both sliced":
         x, dy = sliced(x), sliced(dy)
     return x, dy
 

@@ -129,16 +129,18 @@ def test_chunked_backward_against_the_reference(grid, mode):
         check_backward(case)
 
 
+@pytest.mark.parametrize("layouts", [("contig", "chlast"), ("sliced", "contig")], ids="/".join)
 @pytest.mark.parametrize("path", ["fused", "runs", "fused_short", "short"])
-def test_grad_out_is_copied_into_grad_input(path, monkeypatch):
-    """A backward that computes grad_input copies grad_out into grad_input's buffer and
-    computes in place, on every path: no chunks, and the bits of a separate copy (above).
-    Without grad_input (or for the sums alone) grad_out is copied a chunk at a time."""
+def test_the_copy_is_made_in_grad_input(path, layouts, monkeypatch):
+    """A backward that computes grad_input copies grad_out (or a sliced input) into
+    grad_input's buffer and computes in place, on every path: no chunks, and the bits of a
+    separate copy (above). Without grad_input (or for the sums alone) it is copied a chunk
+    at a time."""
     made = []
     rows = _layout.RowCopies.rows
     monkeypatch.setattr(_layout.RowCopies, "rows", lambda self, r0, r1: made.append(r0) or rows(
         self, r0, r1))
-    case = make_case((9, 5, 40), layouts=("contig", "chlast"))
+    case = make_case((9, 5, 40), layouts=layouts)
     with kernels.override(tile=80), kernels.forced_path(path):
         with kernels.override(copy_chunk_bytes=_block_bytes(case)):
             bngrad.batch_norm_backward(*case.args())
@@ -190,8 +192,8 @@ def test_chunks_keep_the_extra_memory_small(pair, mask):
     """A backward with out= given allocates only its temporaries: a whole copy of the
     (8, 32, 32, 32) float32 array (1 MiB) without chunks, less than a quarter of it with
     chunks of 128 KiB (with tiles small enough that a reduction's row block is no larger: a
-    sample, or 512 channels-last rows); and less than a quarter whatever the budget where only
-    grad_out is copied for a grad_input (into grad_input's buffer)."""
+    sample, or 512 channels-last rows); and less than a quarter whatever the budget where a
+    grad_input is computed (the copy is made in its buffer)."""
     case = make_case((8, 32, 32, 32), layouts=pair)
     case.output_mask = mask
     out = np.empty_like(case.input) if mask[0] else None
@@ -199,7 +201,7 @@ def test_chunks_keep_the_extra_memory_small(pair, mask):
     def backward():
         bngrad.batch_norm_backward(*case.args(), out=out)
     size = case.input.nbytes
-    in_output = mask[0] and pair[0] != "sliced"
+    in_output = mask[0]
     for budget, fits in ((WHOLE, lambda peak: (peak < size // 4) if in_output else peak >= size),
                          (1 << 17, lambda peak: peak < size // 4)):
         # not fused: chunks; channels-last rows not folded: lane partial sums of 32 KiB

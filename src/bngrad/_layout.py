@@ -45,12 +45,22 @@ class Plan:
     tiles for x on the call's threads. (A plain class: one is made per call.)
     """
 
-    __slots__ = ("x", "dy", "kernel", "_layout", "_pending")
+    __slots__ = ("_x", "dy", "kernel", "_layout", "_pending")
 
-    def __init__(self, x: kernels.Operand, dy: Optional[kernels.Operand], layout: _Layout,
-                 kernel: kernels.KernelPlan, pending: Optional[np.ndarray] = None) -> None:
-        self.x, self.dy, self.kernel, self._layout = x, dy, kernel, layout
-        self._pending = pending  # grad_out, to be copied into grad_input's buffer (output)
+    def __init__(self, x: Optional[kernels.Operand], dy: Optional[kernels.Operand],
+                 layout: _Layout, kernel: kernels.KernelPlan,
+                 pending: Optional[tuple[str, np.ndarray]] = None) -> None:
+        self._x, self.dy, self.kernel, self._layout = x, dy, kernel, layout
+        # ("grad_out" or "input", the array): copied into grad_input's buffer by output()
+        self._pending = pending
+
+    @property
+    def x(self) -> kernels.Operand:
+        """input's canonical view (with ``grad_in_output``, where input is copied into
+        grad_input's buffer: once :meth:`output` has made that buffer)."""
+        if self._x is None:
+            raise TypeError("input is copied into grad_input's buffer: call output first")
+        return self._x
 
     @property
     def order(self) -> tuple[int, ...]:
@@ -71,6 +81,7 @@ class Plan:
         once :meth:`output` has made grad_input's buffer)."""
         if self.dy is None:
             raise TypeError("this plan was made without a grad_out" if self._pending is None
+                            or self._pending[0] != "grad_out"
                             else "grad_out is copied into grad_input's buffer: call output first")
         return self.dy
 
@@ -79,7 +90,7 @@ class Plan:
         """(kernel view, user array) of a new array shaped like input, in the plan's order."""
         memory = np.empty(self._layout.memory_shape, dtype=dtype)
         user = memory.transpose(self._layout.inverse)
-        return as_kernel_array(memory).reshape(self.x.shape), user
+        return as_kernel_array(memory).reshape(self._layout.canonical), user
 
     def canonical(self, array: np.ndarray) -> np.ndarray:
         """The kernel view of ``array`` (input's shape, any layout; a bool array is seen as
@@ -90,18 +101,18 @@ class Plan:
         memory = array.transpose(self.order)
         if not memory.flags.c_contiguous:
             memory = _in_order(array, self.order, self.kernel.threads)
-        return as_kernel_array(memory).reshape(self.x.shape)
+        return as_kernel_array(memory).reshape(self._layout.canonical)
 
     def output(self, shape: tuple[int, ...], dtype: np.dtype, out: Optional[np.ndarray]
                ) -> tuple[np.ndarray, np.ndarray]:
         """(kernel view, array the kernel's result ends up in) for an optional ``out``.
 
         ``out`` is written directly when it is dense in the plan's order; otherwise the kernel
-        writes a new array and :meth:`finish_output` copies it into ``out``. A grad_out the plan
-        was to copy into grad_input's buffer (``plan(grad_in_output=True)``) is copied into this
-        one and becomes ``dy``: the kernels then compute in place, reading each element of dy
-        before writing it. (Not where ``out`` is input itself: grad_out then gets a buffer of
-        its own.)
+        writes a new array and :meth:`finish_output` copies it into ``out``. The array the plan
+        was to copy into grad_input's buffer (``plan(grad_in_output=True)``: grad_out, or input)
+        is copied into this one and becomes ``dy`` (``x``): the kernels then compute in place,
+        reading each element of dy and x before writing it. (Not where ``out`` is the other
+        one: the copy then gets a buffer of its own.)
         """
         result = None
         if out is not None:
@@ -111,15 +122,19 @@ class Plan:
         if result is None:
             memory = np.empty(self._layout.memory_shape, dtype=dtype)
             result = memory.transpose(self._layout.inverse)
-        kernel = as_kernel_array(memory).reshape(self.x.shape)
+        kernel = as_kernel_array(memory).reshape(self._layout.canonical)
         if self._pending is not None:
-            grad_out, self._pending = self._pending, None
-            aliased = (result is out and isinstance(self.x, np.ndarray)
-                       and np.may_share_memory(out, self.x))
-            copy = _in_order(grad_out, self.order, self.kernel.threads,
-                             None if aliased else memory)
-            self.dy = as_kernel_array(copy).reshape(self.x.shape)
-            self.dy.flags.writeable = False
+            (name, array), self._pending = self._pending, None
+            aliased = result is out and any(isinstance(a, np.ndarray) and np.may_share_memory(
+                out, a) for a in (self._x, self.dy))
+            copy = as_kernel_array(_in_order(array, self.order, self.kernel.threads,
+                                             None if aliased else memory))
+            copy = copy.reshape(self._layout.canonical)
+            copy.flags.writeable = False
+            if name == "input":
+                self._x = copy
+            else:
+                self.dy = copy
         return kernel, result
 
     def finish_output(self, result: np.ndarray, out: Optional[np.ndarray]) -> np.ndarray:
@@ -266,11 +281,12 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
     ``kernels.Config.copy_chunk_bytes`` the plan's x or dy is a :class:`RowCopies` instead,
     copied a chunk at a time by the kernels' passes (callers that take it: those without the
     fused operands; ``fusing``: the call would fuse on a ``fused`` plan, see _takes_chunks).
-    With ``grad_in_output`` (a call that writes grad_input), a grad_out that must be copied is
-    copied into grad_input's own buffer by :meth:`Plan.output` instead, and the kernels compute
-    grad_input in place over it: no temporary the size of the array. ``layout``: the plan's
-    ``layout`` from an earlier call with the same shapes, strides, dtype and channel axis
-    (bngrad._calls), which saves looking it up."""
+    With ``grad_in_output`` (a call that writes grad_input), the array that must be copied
+    (grad_out, else input: a sliced one) is copied into grad_input's own buffer by
+    :meth:`Plan.output` instead, and the kernels compute grad_input in place over it: no
+    temporary the size of the array (both copied: input's is made as without). ``layout``:
+    the plan's ``layout`` from an earlier call with the same shapes, strides, dtype and
+    channel axis (bngrad._calls), which saves looking it up."""
     if layout is None:
         key = (input.shape, input.strides, input.dtype,
                None if grad_out is None else grad_out.strides, channel_axis)
@@ -280,28 +296,33 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
                 _layouts.clear()
             layout = _layouts[key] = _find_layout(input, grad_out, channel_axis)
     copied = layout.copied
-    pending = grad_out if grad_in_output and "grad_out" in copied else None
-    copies = copied if pending is None else tuple(c for c in copied if c != "grad_out")
+    pending: Optional[tuple[str, np.ndarray]] = None
+    if grad_in_output and copied:  # grad_out where it is copied, else input
+        pending = (("grad_out", grad_out) if grad_out is not None and "grad_out" in copied
+                   else ("input", input))
+    copies = tuple(name for name in copied if pending is None or name != pending[0])
+    kernel = kernels.plan(_Shape(layout.canonical), threads)
     if copies and chunked and _takes_chunks(input, layout, threads, channel_axis, fusing):
-        return _chunked_plan(input, None if pending is not None else grad_out, layout, threads,
-                             pending)
-    x = input.transpose(layout.order)
-    if copied and copied[0] == "input":
-        x = _dense_copy(x, threads)
-    x = as_kernel_array(x).reshape(layout.canonical)
+        return _chunked_plan(input, grad_out, layout, kernel, pending)
+    x = None
+    if "input" not in copied or "input" in copies:
+        x = input.transpose(layout.order)
+        if "input" in copied:
+            x = _dense_copy(x, threads)
+        x = as_kernel_array(x).reshape(layout.canonical)
+        # The kernels' inputs as read-only views (never the caller's arrays: reshape made new
+        # ones): Numba compiles a kernel once more for each read-only operand, so writable and
+        # read-only callers share one compiled kernel.
+        x.flags.writeable = False
     dy = None
-    if grad_out is not None and pending is None:
-        if copied and copied[-1] == "grad_out":
+    if grad_out is not None and ("grad_out" not in copied or "grad_out" in copies):
+        if "grad_out" in copied:
             dy = as_kernel_array(_in_order(grad_out, layout.order, threads))
         else:
             dy = as_kernel_array(grad_out.transpose(layout.order))
         dy = dy.reshape(layout.canonical)
         dy.flags.writeable = False
-    # The kernels' inputs as read-only views (never the caller's arrays: reshape made new ones):
-    # Numba compiles a kernel once more for each read-only operand, so writable and read-only
-    # callers share one compiled kernel.
-    x.flags.writeable = False
-    return Plan(x, dy, layout, kernels.plan(x, threads), pending)
+    return Plan(x, dy, layout, kernel, pending)
 
 
 def _takes_chunks(input: np.ndarray, layout: _Layout, threads: int, channel_axis: int,
@@ -323,16 +344,18 @@ class _Shape(NamedTuple):
 
 
 def _chunked_plan(input: np.ndarray, grad_out: Optional[np.ndarray], layout: _Layout,
-                  threads: int, pending: Optional[np.ndarray]) -> Plan:
-    """plan()'s result where what must be copied is copied a chunk at a time (but a
-    ``pending`` grad_out, copied into grad_input's buffer: Plan.output)."""
-    def operand(array: np.ndarray, name: str) -> kernels.Operand:
+                  kernel: kernels.KernelPlan, pending: Optional[tuple[str, np.ndarray]]) -> Plan:
+    """plan()'s result where what must be copied is copied a chunk at a time (but the
+    ``pending`` array, copied into grad_input's buffer: Plan.output)."""
+    def operand(array: np.ndarray, name: str) -> Optional[kernels.Operand]:
+        if pending is not None and pending[0] == name:
+            return None
         if name in layout.copied:
-            return RowCopies(array, layout.order, layout.canonical, threads)
+            return RowCopies(array, layout.order, layout.canonical, kernel.threads)
         view = as_kernel_array(array.transpose(layout.order)).reshape(layout.canonical)
         view.flags.writeable = False
         return view
 
     x = operand(input, "input")
     dy = None if grad_out is None else operand(grad_out, "grad_out")
-    return Plan(x, dy, layout, kernels.plan(x, threads), pending)
+    return Plan(x, dy, layout, kernel, pending)

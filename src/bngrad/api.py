@@ -354,6 +354,9 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, out_dtype, layout.layout))
     with kernels.region(layout.kernel):
+        grad_input = None
+        if mask[0]:  # (first: it may be where grad_out or input is copied, Plan.output)
+            grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         y: kernels.Aux = None if relu is None else layout.canonical(relu)
         if relu_bits is not None:  # flat index 0: x's first element, in the mask's order
             y = (relu_bits, 0)
@@ -372,9 +375,6 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
             mean = save_mean.astype(np.float64)
             invstd = save_invstd.astype(np.float64)
 
-        grad_input = None
-        if mask[0]:
-            grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         sums = None
         if count == 0:
             sums = (np.zeros(n_channels), np.zeros(n_channels))
