@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import bngrad
+import bngrad.fused
 from bngrad import _layout, kernels
 from conftest import check_backward, make_case
 from tolerances import assert_bitwise_equal
@@ -210,3 +211,22 @@ def test_chunks_keep_the_extra_memory_small(pair, mask):
             backward()  # compiled, layout found and scratch allocated before measuring
             peak = _peak_bytes(backward)
             assert fits(peak), (budget, peak, size)
+
+
+def test_fused_backward_into_its_own_output_with_a_copied_grad_out():
+    """The fused backward keeps its own copy of grad_out: ``out`` may be the forward's output
+    ``y`` that it reads (a copy made in out would overwrite y first)."""
+    case = make_case((4, 6, 5, 7), layouts=("contig", "chlast"))
+    y = bngrad.fused.batch_norm_relu_forward(case.input, case.weight)[0]
+    expected = bngrad.fused.batch_norm_relu_backward(case.grad_out, case.input, case.weight,
+                                                      save_mean=case.save_mean,
+                                                      save_invstd=case.save_invstd, output=y)
+    into_y = y.copy()
+    got = bngrad.fused.batch_norm_relu_backward(case.grad_out, case.input, case.weight,
+                                                save_mean=case.save_mean,
+                                                save_invstd=case.save_invstd, output=into_y,
+                                                out=into_y)
+    assert got[0] is into_y
+    for a, b in zip(got, expected):
+        if a is not None:
+            assert_bitwise_equal(a, b, "fused backward")

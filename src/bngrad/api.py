@@ -347,16 +347,16 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     n_channels = input.shape[axis]
     w = _f64(weight, n_channels, 1.0)
 
-    layout = plan(input, grad_out, axis, resolve_num_threads(threads),
-                  chunked=relu is None and relu_bits is None and not grad_side,
+    plain = relu is None and relu_bits is None and not grad_side
+    # A plain backward with grad_input copies what must be copied into grad_input's buffer
+    # (bngrad._layout); the fused ones keep their copies (an out= that is relu's y must not be
+    # written before y is read).
+    layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=plain,
                   fusing=train and mask[0], layout=None if known is None else known.layout,
-                  grad_in_output=mask[0])
+                  grad_in_output=plain and mask[0])
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, out_dtype, layout.layout))
     with kernels.region(layout.kernel):
-        grad_input = None
-        if mask[0]:  # (first: it may be where grad_out or input is copied, Plan.output)
-            grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         y: kernels.Aux = None if relu is None else layout.canonical(relu)
         if relu_bits is not None:  # flat index 0: x's first element, in the mask's order
             y = (relu_bits, 0)
@@ -364,16 +364,22 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
         side: Optional[Array] = None
         if grad_side:
             side_kernel, side = layout.empty_output(input.shape, input.dtype)
+        mean = invstd = None
         if count == 0:
             mean = invstd = np.zeros(n_channels)
         elif running is not None:  # eval mode
             mean, invstd = _eval_stats(*running, eps)
-        elif save_mean is None or save_invstd is None:
-            mean, var = _moments(layout, input, axis, count)
-            invstd = 1.0 / np.sqrt(var + eps)
-        else:
+        elif save_mean is not None and save_invstd is not None:
             mean = save_mean.astype(np.float64)
             invstd = save_invstd.astype(np.float64)
+        # grad_input's buffer after the statistics given (a copy may be made in it, Plan.output)
+        # and before those of the data (input may be that copy)
+        grad_input = None
+        if mask[0]:
+            grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
+        if mean is None or invstd is None:
+            mean, var = _moments(layout, input, axis, count)
+            invstd = 1.0 / np.sqrt(var + eps)
 
         sums = None
         if count == 0:
