@@ -230,3 +230,29 @@ def test_fused_backward_into_its_own_output_with_a_copied_grad_out():
     for a, b in zip(got, expected):
         if a is not None:
             assert_bitwise_equal(a, b, "fused backward")
+
+
+@pytest.mark.parametrize("variant", ["float32", "bfloat16-p32"])
+@pytest.mark.parametrize("layouts", [("contig", "contig"), ("chlast", "chlast"),
+                                     ("contig", "chlast"), ("chlast", "contig"),
+                                     ("sliced", "contig")], ids="/".join)
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_in_place_gives_the_bits_of_a_separate_out(variant, layouts, mode):
+    """out=input and out=grad_out (where that array is dense), and a copy made in grad_input,
+    read through out (kernels.batchnorm._map), give the bits of a separate out, on 1 and 2
+    threads and on each path the shape takes."""
+    for shape in [(6, 24, 9, 9), (3, 20, 40, 40)]:
+        case = make_case(shape, variant=variant, mode=mode, layouts=layouts)
+        for threads in (1, 2):
+            expected = bngrad.batch_norm_backward(*case.args(), num_threads=threads)
+            for name in ("input", "grad_out"):
+                target = getattr(case, name)
+                if not any(target.transpose(order).flags.c_contiguous
+                           for order in [(0, 1, 2, 3), (0, 2, 3, 1)]):
+                    continue  # (a sliced input: out= must be dense to be written in place)
+                kept = target.copy()
+                got = bngrad.batch_norm_backward(*case.args(), num_threads=threads,
+                                                 out=target)
+                assert got[0] is target
+                assert_bitwise_equal(got[0], expected[0], f"out={name}, {threads} threads")
+                target[...] = kept
