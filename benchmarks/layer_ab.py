@@ -69,7 +69,8 @@ def _best(fn: Callable[[], Any], calls: int) -> float:
     return best
 
 
-def measure(shape: tuple, channels_last: bool, rounds: int, burst: int) -> Dict[str, float]:
+def measure(shape: tuple, channels_last: bool, rounds: int, burst: int, threads: int = 2
+            ) -> Dict[str, float]:
     """Median over rounds of the best of ``burst`` calls, us, for every contender."""
     import numpy as np
     import torch
@@ -94,10 +95,10 @@ def measure(shape: tuple, channels_last: bool, rounds: int, burst: int) -> Dict[
     fns: Dict[str, Callable[[], Any]] = {}
     for tag, api, layer in (("new", bngrad, bt), ("old", bngrad_old, bto)):
         fns[f"np fwd {tag}"] = lambda api=api: api.batch_norm_forward(
-            xn, wn, bn_, rm.numpy(), rv.numpy(), True, 0.1, 1e-5, num_threads=2, out=out)
+            xn, wn, bn_, rm.numpy(), rv.numpy(), True, 0.1, 1e-5, num_threads=threads, out=out)
         fns[f"np bwd {tag}"] = lambda api=api: api.batch_norm_backward(
             dyn, xn, wn, None, None, save_mean, save_invstd, True, 1e-5, (True, True, True),
-            num_threads=2, out=out)
+            num_threads=threads, out=out)
         fns[f"bt f+b {tag}"] = lambda layer=layer: layer.functional.batch_norm(
             xr, rm, rv, wr, br, True).backward(dy)
     fns["torch f+b"] = lambda: torch.nn.functional.batch_norm(xr, rm, rv, wr, br,
@@ -119,17 +120,19 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="*", default=None, help="N,C,H,W ...")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--burst", type=int, default=20, help="calls per contender and round")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="threads for both trees and PyTorch (torch.set_num_threads)")
     args = parser.parse_args(argv)
     shapes = ([tuple(int(v) for v in s.split(",")) for s in args.shapes] if args.shapes
               else SHAPES)
     sys.path.insert(0, build_old(args.rev, os.path.dirname(os.path.dirname(
         os.path.abspath(__file__)))))
     import torch
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     print("new/old time (np fwd | np bwd | bt f+b); bngrad.torch f+b / PyTorch, new (old)")
     for shape in shapes:
         for channels_last in (True, False):
-            m = measure(shape, channels_last, args.rounds, args.burst)
+            m = measure(shape, channels_last, args.rounds, args.burst, args.threads)
             ratios = " | ".join(f"{m[k + ' new'] / m[k + ' old']:.2f}"
                                 for k in ("np fwd", "np bwd", "bt f+b"))
             print(f"{shape} {'NHWC' if channels_last else 'NCHW'}: {ratios}   "

@@ -118,25 +118,6 @@ def _numba_parallel_for(builder, outlined, record, team):
                                 record, ir.Constant(i64, 0), ir.Constant(i64, 0), team])
 
 
-def _borrowed(context, builder, typ, value):
-    """``value`` of Numba type ``typ`` with every array in it (at any depth of tuples) a
-    borrowed view: no meminfo, so that the slices the items take cost no reference counting.
-    Counting is an atomic add and subtract on the array's meminfo, one cache line that every
-    thread of the team would write for every row or run it slices (measured: a (64, 32, 256)
-    float32 forward took 1383 us on a team of 2, 345 us on one thread). The launcher's caller
-    holds the arrays until the launch returns, as Numba's own parallel loops do."""
-    if isinstance(typ, types.Array):
-        array = context.make_array(typ)(context, builder, value)
-        array.meminfo = cgutils.get_null_value(array.meminfo.type)
-        array.parent = cgutils.get_null_value(array.parent.type)
-        return array._getvalue()
-    if isinstance(typ, types.BaseTuple):
-        return context.make_tuple(builder, typ, [
-            _borrowed(context, builder, member, builder.extract_value(value, i))
-            for i, member in enumerate(typ)])
-    return value
-
-
 # Partitions of the items: each thread of a team starts on its own contiguous share (part
 # ``thread number % _MAX_PARTS``), then helps with the others' (see _run_items).
 _MAX_PARTS = 64
@@ -187,7 +168,7 @@ def _run_items(typingctx, item, parallel, thread_num, team, n, args):
 
     def codegen(context, builder, signature, llargs):
         _, parallel_v, thread_num_v, team_v, n_v, args_v = llargs
-        args_v = _borrowed(context, builder, args, args_v)
+        args_v = _items.borrowed_codegen(context, builder, args, args_v)
         i64, i32, i8p = ir.IntType(64), ir.IntType(32), ir.IntType(8).as_pointer()
         zero, one = ir.Constant(i64, 0), ir.Constant(i64, 1)
         # caching=False: Numba's subroutine cache is keyed on the code object, which every
