@@ -533,7 +533,8 @@ def elementwise_runs_item(item, x, dy, y, z, out, aux, coef, group, seg):
 # channels, whose runs are contiguous in every row, as one row of lanes.
 
 def _lanes_of(values: Any, c0: Any, c1: Any, B: Any) -> Any:
-    """values[c] over channel c's B lanes, for channels c0..c1-1; None for None (jitted)."""
+    """values[c] over channel c's B lanes (values' dtype), for channels c0..c1-1; None for None
+    (jitted)."""
     raise NotImplementedError
 
 
@@ -543,7 +544,7 @@ def _lanes_of_impl(values, c0, c1, B):
         return lambda values, c0, c1, B: None
 
     def spread(values, c0, c1, B):
-        lanes = np.empty((c1 - c0) * B)
+        lanes = np.empty((c1 - c0) * B, values.dtype)
         for c in range(c0, c1):
             lanes[(c - c0) * B:(c - c0 + 1) * B] = values[c]
         return lanes
@@ -606,12 +607,21 @@ def _as_rows_impl(a, A, n):
     return lambda a, A, n: a.reshape((A, n))
 
 
+# A group's runs are contiguous in each row. Runs shorter than this are written in one loop over
+# the group with per-lane coefficients: a run of 49 is a vector loop of 32 and a scalar tail of
+# 17, and the group's loop took 0.85-0.90x the backward's time at (16 and 32, 256, 7, 7)
+# float32; at 64 it made no difference (0.96-1.00), and at 196 the per-run loops were faster
+# (the lanes' loads: 1.10x). benchmarks/layer_ab.py --threads 1 and 2, 2026-12-02, Xeon.
+_RUN_LOOPS_FROM = 64
+
+
 @njit(**_JIT)
 def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count, rows, group,
                               sum_dy, sum_dy_xmu, coef):
     """Training backward of group g of channels with short runs: the ``short`` reduction's
     row blocks, lanes and order (the same bits), then its elementwise pass, while the group
-    is in cache."""
+    is in cache: run by run, or for short runs (_RUN_LOOPS_FROM) over the group's span of
+    each row with per-lane coefficients (the same values: the same bits)."""
     A, C, B = x.shape
     c0, c1 = g * group, min(C, g * group + group)
     x2, d2, y2 = x.reshape((A, C * B)), dy.reshape((A, C * B)), _as_rows(y, A, C * B)
@@ -628,9 +638,20 @@ def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count
         sum_dy[c], sum_dy_xmu[c] = sd[c - c0], sx[c - c0]
         _train_coefficients(sd[c - c0], sx[c - c0], invstd[c], weight[c], count, mean[c], coef,
                             c)
-    ys = _with_scratch(y, B)
+    if B >= _RUN_LOOPS_FROM:
+        ys = _with_scratch(y, B)
+        for a in range(A):
+            _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, aux, coef)
+        return
+    scale, proj = _lanes_of(coef[SCALE], c0, c1, B), _lanes_of(coef[PROJ], c0, c1, B)
+    shift, centre = _lanes_of(coef[GRAD_MEAN], c0, c1, B), _lanes_of(coef[MEAN], c0, c1, B)
+    out2, aux2 = out.reshape((A, C * B)), _as_rows(aux, A, C * B)
+    yg = _with_scratch(y2, (c1 - c0) * B)
     for a in range(A):
-        _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, aux, coef)
+        span = (a, slice(c0 * B, c1 * B))
+        _map(x2[span], take(d2, span),
+             _relu_record(yg, span, a * C * B + c0 * B, (c1 - c0) * B, 0), None, out2[span],
+             _mask_part(aux2, span), scale, proj, shift, centre)
 
 
 # ---------------------------------------------------------------------------------------------
