@@ -125,6 +125,28 @@ def test_fused_and_two_phase_give_the_same_bits(grid, pair, variant):
         assert_bitwise_equal(b, t, f"output {i} (groups of one channel)")
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_span_loops_give_the_run_loops_bits(variant):
+    """fused_short's backward writes runs shorter than ``span_runs_below`` in one loop over a
+    group's span of each row: bitwise what its run-by-run loop writes, for the plain backward
+    and the fused ReLU's (given mask bits or the output; with the side input's gradient)."""
+    c = make_case((5, 6, 40), 1, variant, "train-nostats", layouts=("contig", "contig"), seed=5)
+    results = []
+    for below in (0, 1 << 20):
+        with kernels.forced_path("fused_short"), kernels.override(span_runs_below=below):
+            assert ("span loops" in bngrad.explain(c.input, num_threads=2)) == bool(below)
+            y, mean, invstd, bits = bngrad.batch_norm_relu_forward(
+                c.input, c.weight, c.weight, side_input=c.grad_out, num_threads=2)
+            results.append(
+                bngrad.batch_norm_backward(*c.args(), num_threads=2)
+                + bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
+                                                  mean, invstd, relu_mask=bits, num_threads=2)
+                + bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
+                                                  mean, invstd, output=y, num_threads=2))
+    for i, (runs, span) in enumerate(zip(*results)):
+        assert_bitwise_equal(runs, span, f"output {i}")
+
+
 def test_path_depends_on_threads_only_through_fusing():
     cfg = kernels.Config()
     for shape in [(3, 20, 300), (4, 20, 49), (4, 5, 49), (4, 5, 7), (100, 3)]:

@@ -421,7 +421,7 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
             n = _ceil_div(C, plan.fused_group)
             launcher(plan.serial, n).backward_fused_short(
                 n, x, dy, y, out, aux, mean, invstd, weight, float(count), plan.rows,
-                plan.fused_group, sum_dy, sum_dy_xmu, coef)
+                plan.fused_group, plan.span_loop, sum_dy, sum_dy_xmu, coef)
         return sum_dy, sum_dy_xmu
     sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean, y=y)
     coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)

@@ -76,6 +76,9 @@ class Config:
     # and at most this many rows: a group's rows lie a sample apart in memory, and more of them
     # conflict in the cache before the group is written (docs/internals.md)
     fused_short_max_rows: int = 64
+    # fused_short's training backward writes runs shorter than this in one loop over each
+    # row's span of the group, with per-lane coefficients, instead of run by run
+    span_runs_below: int = 64
     # elements whose serial work costs about one parallel launch (waking the pool): smaller
     # calls run serially (runs_serial scales it by the threads; docs/internals.md)
     serial_elements: int = 1 << 16
@@ -182,6 +185,7 @@ class KernelPlan:
     seg: int = 0
     group: int = 0
     fused_group: int = 0
+    span_loop: bool = False  # fused_short's backward writes a group's span per row (span_runs_below)
     reduce_pieces: tuple[LanePiece, ...] = ()
     elemt_pieces: tuple[LanePiece, ...] = ()
     # a one-call plan's two pieces (each the whole array) as the one-call passes take them: the
@@ -211,7 +215,8 @@ class KernelPlan:
                                + ["elementwise:"] + [f"  {p!r}" for p in self.elemt_pieces])
         if self.short:
             fused = (f", fused in {_ceil_div(self.shape[1], self.fused_group)} groups of "
-                     f"{self.fused_group}" if self.path == "fused_short" else "")
+                     f"{self.fused_group}{', span loops' if self.span_loop else ''}"
+                     if self.path == "fused_short" else "")
             return (f"{head}, {self.blocks} row blocks of {self.rows}, "
                     f"{_ceil_div(self.shape[1], self.group)} groups of {self.group} channels"
                     f"{fused})")
@@ -274,7 +279,7 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
                              _ceil_div(C, cfg.fused_channels_per_thread * threads)))
     return KernelPlan(path, shape, threads, forced is not None, serial, rows=rows, seg=seg,
                       group=_ceil_div(cfg.short_group_lanes, max(B, 1)),
-                      fused_group=fused_group)
+                      fused_group=fused_group, span_loop=B < cfg.span_runs_below)
 
 
 # Plans by (shape, threads), for the configuration in force: a dict lookup, where an lru_cache

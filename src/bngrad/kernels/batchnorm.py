@@ -607,21 +607,14 @@ def _as_rows_impl(a, A, n):
     return lambda a, A, n: a.reshape((A, n))
 
 
-# A group's runs are contiguous in each row. Runs shorter than this are written in one loop over
-# the group with per-lane coefficients: a run of 49 is a vector loop of 32 and a scalar tail of
-# 17, and the group's loop took 0.85-0.90x the backward's time at (16 and 32, 256, 7, 7)
-# float32; at 64 it made no difference (0.96-1.00), and at 196 the per-run loops were faster
-# (the lanes' loads: 1.10x). benchmarks/layer_ab.py --threads 1 and 2, 2026-12-02, Xeon.
-_RUN_LOOPS_FROM = 64
-
-
 @njit(**_JIT)
 def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count, rows, group,
-                              sum_dy, sum_dy_xmu, coef):
+                              span_loop, sum_dy, sum_dy_xmu, coef):
     """Training backward of group g of channels with short runs: the ``short`` reduction's
     row blocks, lanes and order (the same bits), then its elementwise pass, while the group
-    is in cache: run by run, or for short runs (_RUN_LOOPS_FROM) over the group's span of
-    each row with per-lane coefficients (the same values: the same bits)."""
+    is in cache: run by run, or (``span_loop``) in one loop over the group's span of each row
+    with per-lane coefficients (the same values: the same bits), which costs loads but saves
+    the scalar tail of every short run (49: a vector loop of 32 and 17 scalar steps)."""
     A, C, B = x.shape
     c0, c1 = g * group, min(C, g * group + group)
     x2, d2, y2 = x.reshape((A, C * B)), dy.reshape((A, C * B)), _as_rows(y, A, C * B)
@@ -638,7 +631,7 @@ def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count
         sum_dy[c], sum_dy_xmu[c] = sd[c - c0], sx[c - c0]
         _train_coefficients(sd[c - c0], sx[c - c0], invstd[c], weight[c], count, mean[c], coef,
                             c)
-    if B >= _RUN_LOOPS_FROM:
+    if not span_loop:
         ys = _with_scratch(y, B)
         for a in range(A):
             _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, aux, coef)
