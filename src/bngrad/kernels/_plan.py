@@ -185,7 +185,7 @@ class KernelPlan:
     seg: int = 0
     group: int = 0
     fused_group: int = 0
-    span_loop: bool = False  # fused_short's backward writes a group's span per row (span_runs_below)
+    span_loop: bool = False  # fused_short's backward writes a row's span of a group at once
     reduce_pieces: tuple[LanePiece, ...] = ()
     elemt_pieces: tuple[LanePiece, ...] = ()
     # a one-call plan's two pieces (each the whole array) as the one-call passes take them: the

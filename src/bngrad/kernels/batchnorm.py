@@ -789,7 +789,7 @@ def transpose_item(item, source, out):
 # bitwise those of the parallel launchers. Both hand the items borrowed arrays: the serial
 # ones through run_items (below), as the one-call passes' serial loops.
 
-def borrowed_codegen(context: Any, builder: Any, typ: Any, value: Any) -> Any:
+def borrowed_codegen(context, builder, typ, value):
     """``value`` of Numba type ``typ`` with every array in it (at any depth of tuples) a
     borrowed view: no meminfo, so that the slices the items take cost no reference counting.
     Counting is an atomic add and subtract on the array's meminfo (Numba's NRT_incref and
