@@ -147,6 +147,27 @@ def test_span_loops_give_the_run_loops_bits(variant):
         assert_bitwise_equal(runs, span, f"output {i}")
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lane_column_groups_follow_the_threads_without_changing_a_bit(variant):
+    """Lane reductions with few row blocks split their lanes into column groups, more of them
+    for more threads (reduce_items_per_thread): a lane's sum runs over the rows only, so the
+    results are the bits of one column group on one thread."""
+    c = make_case((16, 24, 7, 7), 1, variant, "train-nostats", layouts=("chlast", "chlast"),
+                  seed=7)
+    results, tiles = [], set()
+    for threads, items in [(1, 0), (1, 2), (1, 4), (2, 4)]:
+        with kernels.override(fold_lanes=384, min_reduce_cols=64, reduce_items_per_thread=items):
+            tiles.add(bngrad.explain(c.input, num_threads=threads).splitlines()[3])
+            results.append(bngrad.batch_norm_backward(*c.args(), num_threads=threads)
+                           + bngrad.batch_norm_forward(c.input, c.weight, c.weight,
+                                                       num_threads=threads)
+                           + bngrad.batch_norm_moments(c.input, num_threads=threads))
+    assert len(tiles) == 4, tiles  # four different column groups
+    for got in results[1:]:
+        for i, (a, b) in enumerate(zip(results[0], got)):
+            assert_bitwise_equal(a, b, f"output {i}")
+
+
 def test_path_depends_on_threads_only_through_fusing():
     cfg = kernels.Config()
     for shape in [(3, 20, 300), (4, 20, 49), (4, 5, 49), (4, 5, 7), (100, 3)]:

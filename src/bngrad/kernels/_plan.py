@@ -65,6 +65,8 @@ class Config:
     max_row_blocks: int = 64          # row blocks per lane reduction: enough for 64 threads,
     partial_bytes: int = 1 << 21      # but at most this many bytes of partial sums
     min_block_rows: int = 32          # and at least this many rows per block
+    reduce_items_per_thread: int = 4  # fewer row blocks: the lanes split into column groups,
+    min_reduce_cols: int = 256        # of at least this many lanes, to make this many items
     fold_lanes: int = 4096            # narrower channels-last rows are folded, for reductions
     elemt_lanes: int = 256            # and for elementwise passes
     short_run: int = 32               # shorter channels-first runs are seen as lanes
@@ -224,8 +226,8 @@ class KernelPlan:
                 f"{self.blocks} x {self.segments} per channel)")
 
 
-def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bool
-                 ) -> tuple[LanePiece, ...]:
+def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bool,
+                 threads: int) -> tuple[LanePiece, ...]:
     def piece(start, stop, spread, times, lanes):
         cols = min(lanes, cfg.column_group)
         rows = max(1, cfg.tile // max(cols, 1))  # elementwise
@@ -235,6 +237,13 @@ def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bo
             blocks = min(cfg.max_row_blocks, cfg.partial_bytes // (16 * max(lanes, 1)),
                          M * cols // cfg.tile, M // cfg.min_block_rows)
             rows = _ceil_div(M, max(1, blocks))
+            # Few row blocks: narrower column groups, so that every thread has items. A lane's
+            # sum runs over the rows only, so the column groups, unlike the row blocks, may
+            # follow the thread count without changing a bit.
+            groups = _ceil_div(cfg.reduce_items_per_thread * threads, _ceil_div(M, rows))
+            if groups > _ceil_div(lanes, cols):
+                cols = min(cols, max(cfg.min_reduce_cols,
+                                     _ceil_div(_ceil_div(lanes, groups), 64) * 64))
         return LanePiece(start, stop, spread, times, lanes, rows, cols)
 
     if len(shape) == 3:
@@ -257,8 +266,8 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
         raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
     serial = _runs_serial(cfg, math.prod(shape), threads)
     if len(shape) == 2 or forced == "lanes" or (forced is None and shape[2] < cfg.short_run):
-        reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True)
-        elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False)
+        reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True, threads)
+        elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False, threads)
         if len(reduce_pieces) != 1 or len(elemt_pieces) != 1:
             return KernelPlan("lanes", shape, threads, forced is not None, serial,
                               reduce_pieces=reduce_pieces, elemt_pieces=elemt_pieces)
