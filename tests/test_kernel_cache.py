@@ -77,3 +77,35 @@ def test_an_edit_to_an_inlined_file_recompiles(tmp_path):
     assert run() == "1.0"  # from the cache
     (package / "kernels_copy" / "_ops.py").write_text(ops.format(" * 10"))
     assert run() == "10.0"
+
+
+def test_every_cached_kernel_reads_and_writes_its_cache_under_a_lock():
+    from bngrad._bench import floor
+    from bngrad.kernels import _launch
+    cached = [v for module in (batchnorm, _launch, floor) for v in vars(module).values()
+              if getattr(getattr(v, "_cache", None), "_cache_file", None) is not None]
+    assert len(cached) > 50
+    for dispatcher in cached:
+        assert isinstance(dispatcher._cache._cache_file, _cache.LockedCacheFile), dispatcher
+
+
+def test_a_save_waits_for_another_process_holding_the_lock(tmp_path):
+    """Two processes saving new signatures of one function at once could give both the same
+    data file (kernels._cache); a save waits while the lock is held elsewhere (a separate open
+    file description, as another process's), then completes, and the entry loads."""
+    import fcntl
+    import threading
+    import time
+    cache_file = _cache.LockedCacheFile(str(tmp_path), "kernel-1.py311", "stamp")
+    cache_file.save("first", b"one")  # creates the index, and the lock file
+    done = threading.Event()
+    with open(os.path.join(str(tmp_path), "kernel-1.py311.nbi.lock"), "a") as other:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        saver = threading.Thread(target=lambda: (cache_file.save("second", b"two"), done.set()))
+        saver.start()
+        time.sleep(0.3)
+        assert not done.is_set(), "saved while another holder had the lock"
+        fcntl.flock(other, fcntl.LOCK_UN)
+    saver.join(timeout=10)
+    assert done.is_set()
+    assert cache_file.load("first") == b"one" and cache_file.load("second") == b"two"

@@ -16,6 +16,7 @@ from numba import njit, prange, uint64
 from .. import _dtypes
 from .._threads import parallel_region
 from ..errors import ArgumentValueError
+from ..kernels._cache import lock_cache_files
 from ..kernels._elements import as_kernel_array, from_float, to_float
 
 
@@ -117,3 +118,6 @@ def floor_pass(grad_out: np.ndarray, input: np.ndarray, a: np.ndarray, b: np.nda
     assert order is not None  # make_floor refuses an input that is not dense
     memory = flat.view(input.dtype).reshape(tuple(input.shape[d] for d in order))
     return memory.transpose(np.argsort(order))
+
+
+lock_cache_files(globals())  # (kernels._cache: safe between processes)

@@ -70,7 +70,7 @@ from numba.extending import intrinsic
 
 from .. import _gomp
 from . import batchnorm as _items
-from ._cache import HERE, sources_stamp
+from ._cache import HERE, lock_cache_files, sources_stamp
 
 __all__ = ["LAUNCHERS", "numba_pool", "torch_team"]
 
@@ -412,3 +412,6 @@ def _launchers(torch_team: bool) -> types_.SimpleNamespace:
 #: Launchers on Numba's pool (NumPy calls) and on PyTorch's OpenMP team (bngrad.torch's).
 numba_pool = _launchers(torch_team=False)
 torch_team = _launchers(torch_team=True)
+
+
+lock_cache_files(globals())  # (kernels._cache: safe between processes)

@@ -6,8 +6,10 @@ over independent items (tiles, run segments, channel groups, channels); ``<kerne
 one item's work and writes only its own outputs, so whoever runs the items (the launchers at
 the end) cannot change the result. The per-element maths is kernels._ops'.
 
-Determinism: reduction tiles have bounds that depend on the shape only, each is summed in a
-fixed order, and the tile sums are added in a fixed order; the fused and two-phase paths share
+Determinism: reduction tiles have row bounds that depend on the shape only (a lane
+reduction's column groups may follow the thread count: a lane sums over rows alone), each is
+summed in a fixed order, and the tile sums are added in a fixed order; the fused and two-phase
+paths share
 ``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64 (the
 backward's sums of half data, which have no shift: float32 blocks of at most 256 terms first,
 kernels._ops.block_terms); elementwise arithmetic runs in ``coef``'s dtype (float64 for
@@ -36,6 +38,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from ._cache import install as _install_cache_locator
+from ._cache import lock_cache_files
 from ._elements import to_float
 from ._ops import (BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, block_terms, elementwise,
                    finish, lane, narrow_terms, split_mean, take)
@@ -1119,3 +1122,6 @@ def update_running(running, stat, momentum, count, unbiased):
         if unbiased:
             batch = batch * count / (count - 1) if count > 1 else np.nan
         running[c] = np.float64(keep * running[c]) + momentum * batch
+
+
+lock_cache_files(globals())  # (kernels._cache: safe between processes)
