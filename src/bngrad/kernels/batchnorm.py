@@ -9,8 +9,7 @@ the end) cannot change the result. The per-element maths is kernels._ops'.
 Determinism: reduction tiles have row bounds that depend on the shape only (a lane
 reduction's column groups may follow the thread count: a lane sums over rows alone), each is
 summed in a fixed order, and the tile sums are added in a fixed order; the fused and two-phase
-paths share
-``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64 (the
+paths share ``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64 (the
 backward's sums of half data, which have no shift: float32 blocks of at most 256 terms first,
 kernels._ops.block_terms); elementwise arithmetic runs in ``coef``'s dtype (float64 for
 float64 data, float32 otherwise).
