@@ -240,11 +240,11 @@ def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bo
             # Few row blocks: narrower column groups, so that every thread has items. A lane's
             # sum runs over the rows only, so the column groups, unlike the row blocks, may
             # follow the thread count without changing a bit.
-            blocks = max(1, _ceil_div(M, max(rows, 1)))  # (M may be 0)
-            groups = _ceil_div(cfg.reduce_items_per_thread * threads, blocks)
-            if groups > _ceil_div(lanes, cols):
-                cols = min(cols, max(cfg.min_reduce_cols,
-                                     _ceil_div(_ceil_div(lanes, groups), 64) * 64))
+            if M and lanes:
+                groups = _ceil_div(cfg.reduce_items_per_thread * threads, _ceil_div(M, rows))
+                if groups > _ceil_div(lanes, cols):
+                    cols = min(cols, max(cfg.min_reduce_cols,
+                                         _ceil_div(_ceil_div(lanes, groups), 64) * 64))
         return LanePiece(start, stop, spread, times, lanes, rows, cols)
 
     if len(shape) == 3:
