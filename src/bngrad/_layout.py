@@ -300,12 +300,13 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
     if grad_in_output and copied:  # grad_out where it is copied, else input
         pending = (("grad_out", grad_out) if grad_out is not None and "grad_out" in copied
                    else ("input", input))
-    copies = tuple(name for name in copied if pending is None or name != pending[0])
+    in_output = pending[0] if pending is not None else None  # copied by Plan.output
+    copies = [name for name in copied if name != in_output]  # copied here
     kernel = kernels.plan(_Shape(layout.canonical), threads)
     if copies and chunked and _takes_chunks(input, layout, threads, channel_axis, fusing):
         return _chunked_plan(input, grad_out, layout, kernel, pending)
     x = None
-    if "input" not in copied or "input" in copies:
+    if in_output != "input":
         x = input.transpose(layout.order)
         if "input" in copied:
             x = _dense_copy(x, threads)
@@ -315,7 +316,7 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
         # read-only callers share one compiled kernel.
         x.flags.writeable = False
     dy = None
-    if grad_out is not None and ("grad_out" not in copied or "grad_out" in copies):
+    if grad_out is not None and in_output != "grad_out":
         if "grad_out" in copied:
             dy = as_kernel_array(_in_order(grad_out, layout.order, threads))
         else:
