@@ -279,9 +279,11 @@ def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,
     # Eval: the core's eval mode takes running_var and derives invstd = 1/sqrt(var + eps); the
     # DSP passes invar itself, which no running_var reproduces exactly. So the sums come from
     # the core's reduce step, and dx = dy * invar * scale is one float64 product (exact for the
-    # per-channel factor) rounded once into dx.
+    # per-channel factor) rounded once into dx. The core sums float16 data's terms in float32
+    # blocks (its accuracy policy), so float16 data is widened for the sums, as in train mode.
+    sx, sdy = (x, dy) if x.dtype != np.float16 else (x.astype(np.float64), dy.astype(np.float64))
     _, _, dscale, dbias = api.batch_norm_backward_reduce(
-        dy, x, mean, invar, weight=scale, input_g=False, weight_g=True, bias_g=True,
+        sdy, sx, mean, invar, weight=scale, input_g=False, weight_g=True, bias_g=True,
         num_threads=num_threads)
     assert dscale is not None and dbias is not None  # weight_g and bias_g
     factor = invar.astype(np.float64) * scale.astype(np.float64)
