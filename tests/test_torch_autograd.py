@@ -257,6 +257,35 @@ def test_errors_match_pytorch_where_pytorch_checks():
     assert str(ours.value) == str(theirs.value)
 
 
+@pytest.mark.parametrize("fn", [bt.batch_norm, bt.batch_norm_relu],
+                         ids=["batch_norm", "batch_norm_relu"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_argument_checks_match_pytorch(training, fn):
+    """One running statistic without the other in training, a running statistic that requires
+    grad and momentum=None: PyTorch's exception types and messages (bngrad accepted the first
+    two silently, and dropped the second's gradient; eval mode's missing statistics:
+    test_errors_name_the_argument)."""
+    x = torch.randn(4, 3) + 5
+    cases = [(torch.zeros(3), None, 0.1), (None, torch.ones(3), 0.1)] if training else []
+    cases += [(torch.zeros(3).requires_grad_(), torch.ones(3), 0.1),
+             (torch.zeros(3), torch.ones(3).requires_grad_(), 0.1),
+             (torch.zeros(3), torch.ones(3), None)]
+    for rm, rv, momentum in cases:
+        with pytest.raises(Exception) as theirs:
+            F.batch_norm(x, rm, rv, None, None, training, momentum)
+        with pytest.raises(type(theirs.value)) as ours:
+            fn(x, rm, rv, None, None, training, momentum)
+        assert str(ours.value) == str(theirs.value)
+        if rm is not None and rm.requires_grad:  # no check where no graph is made
+            with torch.no_grad():
+                fn(x, rm, rv, None, None, training, 0.1)
+
+
+def test_add_relu_needs_a_side_input():
+    with pytest.raises(TypeError, match="'side_input' must be Tensor, not NoneType"):
+        bt.batch_norm_add_relu(torch.randn(4, 3), None, None, None, training=True)
+
+
 def test_errors_name_the_argument():
     x = torch.randn(4, 3)
     with pytest.raises(ValueError, match="running_mean"):

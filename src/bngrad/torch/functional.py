@@ -82,6 +82,8 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     if training:
         _verify_batch_size(input)
     _verify_eps(eps, training)
+    _verify_running_stats(running_mean, running_var, training)
+    _verify_momentum(momentum)
     if not is_supported_device(input):
         if input.device.type != "meta":  # meta tensors carry no data: nothing to warn about
             _fallback_warning(input.device)
@@ -125,6 +127,29 @@ def _verify_batch_size(input: Tensor) -> None:
 
 def _values_per_channel(size: torch.Size) -> int:
     return size[0] * math.prod(size[2:]) if len(size) >= 2 else 0
+
+
+def _verify_running_stats(running_mean: Optional[Tensor], running_var: Optional[Tensor],
+                          training: bool) -> None:
+    # Same checks and messages as PyTorch's batch norm (in eval mode both are required, which
+    # bngrad's own check says naming them).
+    if training and (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must either both be None or neither be "
+                         "None")
+    if torch.is_grad_enabled():
+        for name, stat in (("running_mean", running_mean), ("running_var", running_var)):
+            if stat is not None and stat.requires_grad:
+                raise RuntimeError(f"The function 'native_batch_norm' is not differentiable with "
+                                   f"respect to argument '{name}'. This input cannot have "
+                                   "requires_grad True.")
+
+
+def _verify_momentum(momentum: float) -> None:
+    # As PyTorch: a number (momentum=None, the modules' cumulative average, is theirs to turn
+    # into a factor); values that are numbers but unusable are refused by bngrad's own check.
+    if type(momentum) is not float and not isinstance(momentum, numbers.Real):
+        raise TypeError(f"batch_norm(): argument 'momentum' (position 7) must be float, not "
+                        f"{type(momentum).__name__}")
 
 
 def _verify_eps(eps: float, training: bool) -> None:

@@ -324,6 +324,8 @@ def _fused(input, side_input, running_mean, running_var, weight, bias, training,
     if training:
         functional._verify_batch_size(input)
     functional._verify_eps(eps, training)
+    functional._verify_running_stats(running_mean, running_var, training)
+    functional._verify_momentum(momentum)
     if not is_supported_device(input):
         if input.device.type != "meta":
             functional._fallback_warning(input.device)
@@ -371,6 +373,9 @@ def batch_norm_add_relu(input: Tensor, side_input: Tensor, running_mean: Optiona
     ``side_input`` has input's shape and dtype, any memory format. Otherwise as
     :func:`batch_norm_relu`; autograd keeps neither the output nor the side input.
     """
+    if not isinstance(side_input, Tensor):
+        raise TypeError(f"batch_norm_add_relu(): argument 'side_input' must be Tensor, not "
+                        f"{type(side_input).__name__}")
     return _fused(input, side_input, running_mean, running_var, weight, bias, training,
                   momentum, eps, "relu")
 
