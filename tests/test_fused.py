@@ -341,6 +341,12 @@ def test_out_buffers():
     assert in_place[0] is dy2
     for a, b in zip(grads, in_place):
         np.testing.assert_array_equal(a, b)
+    y = expected[0].copy()  # out may be the output y it reads, element by element
+    into_y = bngrad.batch_norm_relu_backward(dy, x, p["weight"], None, None, *expected[1:3],
+                                             output=expected[0])
+    assert bngrad.batch_norm_relu_backward(dy, x, p["weight"], None, None, *expected[1:3],
+                                           output=y, out=y)[0] is y
+    np.testing.assert_array_equal(y, into_y[0])
 
 
 def _bad_calls():
@@ -349,7 +355,13 @@ def _bad_calls():
     z = x.copy()
     bits = np.zeros(3, np.uint8)
     f, b = bngrad.batch_norm_relu_forward, bngrad.batch_norm_relu_backward
+    shifted = np.zeros(x.size + 1, F32)  # y and out one element apart: they overlap
+    y_part, out_part = shifted[1:].reshape(x.shape), shifted[:-1].reshape(x.shape)
+    raw = np.zeros(x.nbytes, np.uint8)  # mask bits in out's first bytes
     return [
+        ("out: overlaps output without", ValueError, lambda: b(x, x, output=y_part, out=out_part)),
+        ("out: overlaps relu_mask without being the same array; pass a separate", ValueError,
+         lambda: b(x, x, relu_mask=raw[:3], out=raw.view(F32).reshape(x.shape))),
         ("activation", ValueError, lambda: f(x, activation="gelu")),
         ("mask_format", ValueError, lambda: f(x, mask_format="bit")),
         ("side_input: expected the shape", ValueError, lambda: f(x, side_input=x[:1])),

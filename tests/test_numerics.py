@@ -171,3 +171,85 @@ def test_half_moments_when_the_first_element_is_far_out(dtype, shape):
     expected_mean, expected_var = reference.batch_norm_moments(x)
     np.testing.assert_allclose(mean, expected_mean, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(var, expected_var, rtol=1e-9)
+
+
+# --- eps = 0 and a channel of zero variance ---------------------------------------------------
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", ["fused", "runs", "fused_short", "short", "lanes", None])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_zero_variance_with_eps_zero(variant, path, threads):
+    """var + eps = 0 (a constant channel, eps=0): as PyTorch's native_batch_norm, the training
+    forward's invstd is 0 and the channel's output is its bias (its grad_input 0), the eval
+    forward's invstd is inf (bngrad.reference either way). Numba raised ZeroDivisionError
+    here: uncaught on one thread, and on several, lost in a worker, leaving the channel's
+    output unwritten and invstd garbage."""
+    from bngrad import kernels
+
+    rng = np.random.default_rng(5)
+    shape = (6, 16, 40) if path is not None else (64, 16)  # None: 2-D rows, the one-call path
+    x = quantize(rng.normal(1.0, 2.0, shape), variant.data)
+    x[:, 3] = 1.5
+    dy = quantize(rng.normal(size=shape), variant.data)
+    C = shape[1]
+    w, b = (quantize(rng.uniform(0.5, 1.5, C), variant.param) for _ in range(2))
+    forced = kernels.forced_path(path) if path is not None else kernels.override()
+    with forced, kernels.override(serial_elements=0):  # (parallel launches on two threads)
+        out = np.full_like(x, 123)
+        y, mean, invstd = bngrad.batch_norm_forward(x, w, b, train=True, eps=0.0, out=out,
+                                                    num_threads=threads)
+        gx, gw, gb = bngrad.batch_norm_backward(dy, x, w, None, None, mean, invstd, eps=0.0,
+                                                num_threads=threads)
+        rm, rv = np.zeros(C, variant.param), np.ones(C, variant.param)
+        rv[3] = 0
+        y_eval = bngrad.batch_norm_forward(x, w, b, rm, rv, train=False, eps=0.0,
+                                           num_threads=threads)[0]
+    assert float(invstd[3]) == 0.0
+    bias = np.asarray(b[3]).astype(y.dtype).astype(np.float64)  # (rounded as the output)
+    assert np.array_equal(np.asarray(y[:, 3], np.float64),
+                          np.broadcast_to(bias, (shape[0],) + shape[2:]))
+    assert not np.any(np.asarray(gx[:, 3], np.float64))
+    tx = torch.from_numpy(np.asarray(x, np.float64))
+    _, t_mean, t_invstd = torch.ops.aten.native_batch_norm(tx, None, None, None, None, True,
+                                                            0.1, 0.0)
+    assert float(t_invstd[3]) == 0.0  # (PyTorch's rule, which the reference follows)
+    ref = reference.batch_norm_forward(x, w, b, train=True, eps=0.0)
+    assert_close(y, ref[0], y.dtype, "output")
+    assert_close(invstd, ref[2], invstd.dtype, "save_invstd")
+    ref_back = reference.batch_norm_backward(dy, x, w, None, None, mean, invstd, eps=0.0)
+    for name, got, want in zip(("grad_input", "grad_weight", "grad_bias"), (gx, gw, gb),
+                               ref_back):
+        assert_close(got, want, got.dtype, name)
+    ref_eval = reference.batch_norm_forward(x, w, b, rm, rv, train=False, eps=0.0)[0]
+    # channel 3 of the eval output: (x - 0) * inf * w + b = inf, as the reference
+    with np.errstate(invalid="ignore"):  # (inf - inf in the comparison)
+        assert_close(y_eval, ref_eval, y_eval.dtype, "eval output")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", ["fused", "runs", "fused_short", "short", "lanes", None])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_infinite_data_gives_an_infinite_mean(variant, path, threads):
+    """+inf in a channel (its first element, or another) makes its mean inf, as in PyTorch and
+    the reference, and its variance NaN; -inf and +inf together NaN. The moments' shift (the
+    first element; for float64 the first pass's mean) was inf, and x - inf made the mean NaN."""
+    from bngrad import kernels
+
+    rng = np.random.default_rng(6)
+    shape = (6, 8, 40) if path is not None else (64, 8)
+    x = quantize(rng.normal(1.0, 2.0, shape), variant.data)
+    first = (0,) * (len(shape) - 2)
+    x[(0, 1) + first] = np.inf  # the channel's first element
+    x[(2, 2) + first[:-1] + (-1,) * bool(first)] = np.inf
+    x[(1, 5) + first], x[(3, 5) + first] = np.inf, -np.inf
+    forced = kernels.forced_path(path) if path is not None else kernels.override()
+    with forced, kernels.override(serial_elements=0):
+        mean = bngrad.batch_norm_forward(x, train=True, num_threads=threads)[1]
+        moments = bngrad.batch_norm_moments(x, num_threads=threads)[0]
+    t_mean = torch.ops.aten.native_batch_norm(torch.from_numpy(np.asarray(x, np.float64)),
+                                              None, None, None, None, True, 0.1, 1e-5)[1]
+    for got in (mean, moments):
+        got = np.asarray(got, np.float64)
+        assert got[1] == np.inf and got[2] == np.inf and np.isnan(got[5]), got
+        np.testing.assert_array_equal(np.isinf(got), np.isinf(t_mean.numpy()))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(t_mean.numpy()))

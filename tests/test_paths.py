@@ -110,15 +110,20 @@ def test_reduce_and_elemt_on_every_path(case, variant):
 @pytest.mark.parametrize("grid", GRIDS[:2], ids=[g[0] for g in GRIDS[:2]])
 def test_fused_and_two_phase_give_the_same_bits(grid, pair, variant):
     """The only choice that depends on the thread count must not change a bit; fused_short's
-    groups (of any size) neither."""
+    groups (of any size) neither. Backward and training forward (plain, with running
+    statistics; and the fused ReLU's with a side input and mask bits)."""
     c = make_case(grid[1], 1, variant, "train-nostats", layouts=("contig", "contig"), seed=11)
     results = {}
     for path, overrides in [(pair[0], {}), (pair[0], dict(fused_group_elements=1)),
                             (pair[1], {})]:
         with _on_path(grid, path), kernels.override(**overrides):
+            stats = (np.zeros_like(c.weight), np.ones_like(c.weight))
             results.setdefault(path, []).append(
                 bngrad.batch_norm_backward(*c.args(), num_threads=2)
-                + bngrad.batch_norm_forward(c.input, c.weight, c.weight, num_threads=2))
+                + bngrad.batch_norm_forward(c.input, c.weight, c.weight, *stats, num_threads=2)
+                + stats
+                + bngrad.batch_norm_relu_forward(c.input, c.weight, c.weight,
+                                                 side_input=c.grad_out, num_threads=2))
     fused, fused_in_groups_of_one, two_phase = results[pair[0]] + results[pair[1]]
     for i, (a, b, t) in enumerate(zip(fused, fused_in_groups_of_one, two_phase)):
         assert_bitwise_equal(a, t, f"output {i}")
@@ -194,7 +199,8 @@ def test_fused_short_groups():
 
 
 def test_l2_cache_size_from_sysfs(tmp_path):
-    """fused_group_elements' default comes from the L2 size the OS reports (or 1 MiB)."""
+    """fused_group_elements' default comes from the L2 size the OS reports (or 1 MiB), up to
+    1 MiB of float32 x and dy."""
     caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "1280K"),
               ("3", "Unified", "32M")]
     for index, (level, kind, size) in enumerate(caches):
@@ -204,7 +210,7 @@ def test_l2_cache_size_from_sysfs(tmp_path):
             (folder / name).write_text(text + "\n")
     assert _plan.l2_cache_bytes(str(tmp_path)) == 1280 << 10
     assert _plan.l2_cache_bytes(str(tmp_path / "missing"), default=12345) == 12345
-    assert kernels.Config().fused_group_elements == _plan.l2_cache_bytes() // 8
+    assert kernels.Config().fused_group_elements == min(_plan.l2_cache_bytes() // 8, 1 << 17)
 
 
 def test_natural_paths_and_explain():

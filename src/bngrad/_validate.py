@@ -59,7 +59,16 @@ def data_array(name: str, value: Any) -> np.ndarray:
             raise ArgumentTypeError(
                 f"{name}: expected a NumPy array, got a torch.Tensor; use bngrad.torch for "
                 "tensors or pass tensor.numpy()")
-        array = np.asarray(value)
+        if isinstance(value, np.ma.MaskedArray):  # (its mask would be dropped, not honoured)
+            raise ArgumentTypeError(
+                f"{name}: expected a NumPy array, got a masked array, whose mask batch norm "
+                f"would ignore; pass {name}.filled(value) or {name}.data to say what the masked "
+                "elements are")
+        try:
+            array = np.asarray(value)
+        except ValueError as exc:  # e.g. ragged nested lists
+            raise ArgumentValueError(f"{name}: expected an array, got {describe(value)}, of "
+                                     f"which NumPy cannot make one ({exc})") from None
     if not _supported(array.dtype):
         raise ArgumentTypeError(
             f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}"
@@ -337,12 +346,14 @@ def same_view(a: np.ndarray, b: np.ndarray) -> bool:
             and a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype)
 
 
-def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]
-              ) -> Optional[np.ndarray]:
+def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray],
+              **others: Optional[np.ndarray]) -> Optional[np.ndarray]:
     """The optional ``out`` buffer for grad_input/output: input's shape and dtype, writable.
 
     It may be the very same array as input or grad_out (the result is computed element by
-    element after the reductions, so in-place is safe), but must not partially overlap them.
+    element after the reductions, so in-place is safe), or as another operand read element by
+    element (``others``, by name: the fused backward's output y and relu_mask), but must not
+    partially overlap any of them.
     """
     if value is None:
         return None
@@ -356,9 +367,10 @@ def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray]
             f"out: expected the dtype of input ({input.dtype}), got dtype {value.dtype}")
     if not value.flags.writeable:
         raise ArgumentValueError("out: expected a writable array, got a read-only one")
-    for name, other in (("input", input), ("grad_out", grad_out)):
+    for name, other in (("input", input), ("grad_out", grad_out), *others.items()):
         if other is not None and np.shares_memory(value, other) and not same_view(value, other):
-            raise ArgumentValueError(
-                f"out: overlaps {name} without being the same array; pass {name} itself for an "
-                "in-place result, or a separate buffer")
+            in_place = (f"pass {name} itself for an in-place result, or "
+                        if other.dtype == value.dtype else "pass ")
+            raise ArgumentValueError(f"out: overlaps {name} without being the same array; "
+                                     f"{in_place}a separate buffer")
     return value

@@ -44,7 +44,7 @@ def _count(input: Array, axis: int) -> int:
 
 def _eval_stats(running_mean: Array, running_var: Array, eps: float) -> tuple[Array, Array]:
     """(mean, invstd) in float64 from the running statistics."""
-    return running_mean.astype(np.float64), 1.0 / np.sqrt(running_var.astype(np.float64) + eps)
+    return running_mean.astype(np.float64), kernels.inv_std(running_var, eps, train=False)
 
 
 def _first_elements(input: Array, axis: int) -> Array:
@@ -74,6 +74,9 @@ def _moments(layout: Plan, input: Array, axis: int, count: int) -> tuple[Array, 
         shift = kernels.reduce(layout.kernel, x, None, zeros)[0] / count
     else:
         shift = _first_elements(input, axis)
+    # inf or NaN: 0, so that an infinite mean stays infinite (x - inf would make every sum NaN);
+    # as the fused kernels' shifts (kernels.batchnorm._finite)
+    shift[~np.isfinite(shift)] = 0.0
     sum_d, sum_d2 = kernels.reduce(layout.kernel, x, None, shift)
     # mean = shift + sum_d / count, var = max(sum_d2 - sum_d * sum_d / count, 0) / count
     return kernels.moments(shift, sum_d, sum_d2, count)
@@ -239,7 +242,7 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
             invstd = fused[2]
         else:
             invstd, coef = kernels.normalize_coefficients(mean, var, eps, scale_weight,
-                                                          shift_bias, compute)
+                                                          shift_bias, compute, train)
             if input.size:
                 kernels.elementwise(layout.kernel, out_kernel, coef, x=layout.x, z=z,
                                     aux=mask_kernel)
@@ -379,7 +382,7 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
             grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         if mean is None or invstd is None:
             mean, var = _moments(layout, input, axis, count)
-            invstd = 1.0 / np.sqrt(var + eps)
+            invstd = kernels.inv_std(var, eps, train=True)
 
         sums = None
         if count == 0:
@@ -517,7 +520,7 @@ def explain(input: Any, grad_out: Any = None, *, channel_axis: int = 1,
     """How bngrad runs a call on these arrays: their canonical view, copies and kernel plan.
 
     The same plan serves every function called with the same arrays and threads (the
-    training backward fuses on ``path='fused'``, the forward only for float64 data). Plans
+    training backward and forward fuse on ``path='fused'`` and ``'fused_short'``). Plans
     depend on the thread count only through fusing and through running serially ("(serial)":
     small calls and one thread, docs/internals.md), neither of which changes a bit.
 

@@ -309,6 +309,7 @@ def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
         output = _like_input("output", output, input)
     else:
         relu_mask = _relu_mask(relu_mask, input)
+    check.out_array(out, input, grad_out, output=output, relu_mask=relu_mask)
     return _fused_backward_impl(grad_out, input, weight, running_mean, running_var, save_mean,
                                 save_invstd, train, eps, mask, output, relu_mask, channel_axis,
                                 num_threads, out)

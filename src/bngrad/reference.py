@@ -66,13 +66,22 @@ def batch_norm_moments(input, *, channel_axis=1):
     return mean, var
 
 
+def _invstd(var, eps, train):
+    """1 / sqrt(var + eps); where var + eps is 0 (var and eps both 0): 0 in training (PyTorch's
+    InvStd, so the channel's output is its bias), inf in eval (1 / sqrt(running_var + eps))."""
+    v = var + eps
+    with np.errstate(divide="ignore"):
+        invstd = 1.0 / np.sqrt(v)
+    return np.where(v == 0, 0.0, invstd) if train else invstd
+
+
 def _stats(input, running_mean, running_var, save_mean, save_invstd, train, eps, channel_axis):
     if train:
         if save_mean is None or save_invstd is None:
             mean, var = batch_norm_moments(input, channel_axis=channel_axis)
-            return mean, 1.0 / np.sqrt(var + eps)
+            return mean, _invstd(var, eps, True)
         return _f64(save_mean), _f64(save_invstd)
-    return _f64(running_mean), 1.0 / np.sqrt(_f64(running_var) + eps)
+    return _f64(running_mean), _invstd(_f64(running_var), eps, False)
 
 
 def batch_norm_backward_reduce(grad_out, input, mean, invstd, weight=None,
@@ -149,7 +158,7 @@ def batch_norm_forward(input, weight=None, bias=None, running_mean=None, running
     new_rm = new_rv = None
     if train:
         mean, var = batch_norm_moments(input, channel_axis=channel_axis)
-        invstd = 1.0 / np.sqrt(var + eps)
+        invstd = _invstd(var, eps, True)
         count = x.size // n_channels if n_channels else 0
         # An empty batch leaves the running statistics as they were.
         if running_mean is not None:
@@ -165,7 +174,7 @@ def batch_norm_forward(input, weight=None, bias=None, running_mean=None, running
         save_mean, save_invstd = mean, invstd
     else:
         mean = _f64(running_mean)
-        invstd = 1.0 / np.sqrt(_f64(running_var) + eps)
+        invstd = _invstd(_f64(running_var), eps, False)
         save_mean = save_invstd = np.zeros(0)
     output = _restore((x - mean) * invstd * w + b, channel_axis)
     return output, save_mean, save_invstd, new_rm, new_rv

@@ -34,7 +34,7 @@ from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, config, for
 
 __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
            "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
-           "copy_rows", "elementwise", "forced_path", "forward_train", "moments",
+           "copy_rows", "elementwise", "forced_path", "forward_train", "inv_std", "moments",
            "normalize_coefficients", "override", "plan", "reduce", "reduce_block_rows",
            "train_coefficients", "transpose_last_two", "update_running_stats"]
 
@@ -304,12 +304,23 @@ _COMPILED_STATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
 
 
 def normalize_coefficients(mean: np.ndarray, var: np.ndarray, eps: float, weight: np.ndarray,
-                           bias: np.ndarray, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+                           bias: np.ndarray, dtype: np.dtype, train: bool = True
+                           ) -> tuple[np.ndarray, np.ndarray]:
     """(invstd in float64, the normalize pass's coefficient rows in ``dtype``: SCALE =
-    invstd * weight, BIAS, MEAN) from float64 statistics and parameters."""
+    invstd * weight, BIAS, MEAN) from float64 statistics and parameters (var: the batch's in
+    ``train``ing, else the running one; invstd where var + eps is 0: inv_std)."""
     invstd, coef = np.empty(len(mean)), np.empty((4, len(mean)), dtype=dtype)
-    k.normalize_coefficients(mean, var, float(eps), weight, bias, invstd, coef)
+    k.normalize_coefficients(mean, var, float(eps), weight, bias, invstd, coef, bool(train))
     return invstd, coef
+
+
+def inv_std(var: np.ndarray, eps: float, train: bool) -> np.ndarray:
+    """1 / sqrt(var + eps) in float64 where var + eps is 0 too (var and eps both 0): 0 in
+    training (PyTorch's InvStd: the channel's output is its bias, its grad_input 0), inf in
+    eval (PyTorch's 1 / sqrt(running_var + eps)); never a warning."""
+    invstd = np.empty(len(var))
+    k.inv_stds(np.asarray(var, np.float64), float(eps), bool(train), invstd)
+    return invstd
 
 
 def train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype) -> np.ndarray:
@@ -367,29 +378,38 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
 
 
 def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=None, aux=None):
-    """Training forward in one pass where the plan fuses and the data are float64 (whose
-    two-pass moments it saves two of three passes; docs/internals.md), or in one compiled call
-    where the plan says so and there are no fused operands: writes ``out`` (and ``aux``),
-    returns (mean, biased var) in float64 and invstd (normalize_coefficients'), the bits of
-    bngrad.api's moments then normalize. Else None."""
+    """Training forward in one pass over memory where the plan fuses (a channel, or a group of
+    channels, reduced, then normalized while it is in cache; float64's two-pass moments read
+    it twice more from cache), or in one compiled call where the plan says so and there are no
+    fused operands: writes ``out`` (and ``aux``), returns (mean, biased var) in float64 and
+    invstd (normalize_coefficients'), the bits of bngrad.api's moments then normalize. Else
+    None."""
     if not isinstance(x, np.ndarray):
         return None
     one_call = plan.one_call and z is None and aux is None  # moments, coefficients, normalize
-    if not one_call and (x.dtype != np.float64 or plan.path != "fused"):
+    if not one_call and plan.path not in ("fused", "fused_short"):
         return None
     C = x.shape[1]
+    coef = np.empty((4, C), dtype=dtype)
     if one_call:
         stats = np.empty((3, C))
         lanes_r, lanes_e = plan.one_call_lanes
         k.forward_one_call(_lanes(x, lanes_r), _lanes(x, lanes_e), _lanes(out, lanes_e),
                            np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
-                           float(eps), float(count), plan.one_call_tiles, stats,
-                           np.empty((4, C), dtype=dtype), _team(plan))
+                           float(eps), float(count), plan.one_call_tiles, stats, coef,
+                           _team(plan))
         return stats[0], stats[1], stats[2]
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
-    launcher(plan.serial, C).forward_fused(C, x, z, out, aux, weight, bias, float(eps),
-                                           float(count), plan.rows, plan.seg, mean, var, invstd,
-                                           np.empty((4, C), dtype=dtype))
+    two_pass = x.dtype == np.float64  # (bngrad.api._moments)
+    if plan.path == "fused":  # an item per channel
+        launcher(plan.serial, C).forward_fused(C, x, z, out, aux, two_pass, weight, bias,
+                                               float(eps), float(count), plan.rows, plan.seg,
+                                               mean, var, invstd, coef)
+    else:  # an item per group of channels
+        n = _ceil_div(C, plan.fused_group)
+        launcher(plan.serial, n).forward_fused_short(n, x, z, out, aux, two_pass, weight, bias,
+                                                     float(eps), float(count), plan.rows,
+                                                     plan.fused_group, mean, var, invstd, coef)
     return mean, var, invstd
 
 

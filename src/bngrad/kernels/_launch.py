@@ -78,6 +78,7 @@ __all__ = ["LAUNCHERS", "numba_pool", "torch_team"]
 #: ``transpose_last_two``).
 LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
              "elementwise_lanes", "backward_fused", "backward_fused_short", "forward_fused",
+             "forward_fused_short",
              "copy_rows", "transpose_last_two")
 
 # Chunks per share: enough that a thread preempted mid-launch leaves most of its share to the
@@ -346,6 +347,12 @@ def _backward_fused_short(parallel, thread_num, serial, n, *args):
 @njit(**_JIT)
 def _forward_fused(parallel, thread_num, serial, n, *args):
     _run_items(_items.forward_fused_item, parallel, thread_num, _team(serial), n, args)
+
+
+@_stamped
+@njit(**_JIT)
+def _forward_fused_short(parallel, thread_num, serial, n, *args):
+    _run_items(_items.forward_fused_short_item, parallel, thread_num, _team(serial), n, args)
 
 
 @_stamped

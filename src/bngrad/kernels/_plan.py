@@ -7,12 +7,12 @@ cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with example
   ``C*B`` lanes. Narrow channels-last rows are folded (``k`` rows into one, a view; the
   ``M % k`` leftover rows are a second piece). Lane sums go to their channel in lane order;
 - ``short``: runs of ``short_run..fused_min_run``, an item per group of whole channels;
-- ``fused_short``: as ``short``, but the training backward reduces a group of channels (about
-  ``fused_group_elements`` elements) and writes it while it is in cache, if ``C >=
-  fused_channels_per_thread * threads`` and ``A <= fused_short_max_rows``;
+- ``fused_short``: as ``short``, but the training backward and forward reduce a group of
+  channels (about ``fused_group_elements`` elements) and write it while it is in cache, if
+  ``C >= fused_channels_per_thread * threads`` and ``A <= fused_short_max_rows``;
 - ``runs``: longer runs, an item per tile (reductions) or run segment (elementwise);
-- ``fused``: as ``runs``, but the training backward (and float64's forward) reduces a channel
-  and writes it while it is in cache, if ``C >= fused_channels_per_thread * threads``.
+- ``fused``: as ``runs``, but the training backward and forward reduce a channel and write it
+  while it is in cache, if ``C >= fused_channels_per_thread * threads``.
 
 ``fused`` and ``runs`` share tiles and order (kernels.batchnorm), as do ``fused_short`` and
 ``short``, so the one choice that depends on the thread count (to fuse or not) gives the same

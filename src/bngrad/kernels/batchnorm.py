@@ -483,14 +483,19 @@ def backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows
 
 
 @njit(**_JIT)
-def forward_fused_item(c, x, z, out, aux, weight, bias, eps, count, rows, seg, mean, var, invstd,
-                       coef):
-    """Training forward of float64 channel c while it is in cache: corrected two-pass moments
-    (the first pass's mean shifts the second), then the output; the same tiles, order and
-    arithmetic as the two-phase reductions and bngrad.api's moments and normalize."""
+def forward_fused_item(c, x, z, out, aux, two_pass, weight, bias, eps, count, rows, seg, mean,
+                       var, invstd, coef):
+    """Training forward of channel c while it is in cache: its moments, shifted by the
+    channel's first element or, ``two_pass`` (float64 data), by the mean of a first pass (the
+    corrected two-pass algorithm), then the output; the same tiles, order and arithmetic as
+    the two-phase reductions and bngrad.api's moments and normalize."""
     A, _, B = x.shape
     n_blocks, n_segs = (A + rows - 1) // rows, (B + seg - 1) // seg
-    s = _channel_sums(x, None, None, 0.0, 0.0, c, rows, seg, n_blocks, n_segs, None)[0] / count
+    if two_pass:
+        s = _finite(_channel_sums(x, None, None, 0.0, 0.0, c, rows, seg, n_blocks, n_segs,
+                                  None)[0] / count)
+    else:
+        s = _finite(np.float64(to_float(x[0, c, 0])))
     sd, sx = _channel_sums(x, None, None, s, s, c, rows, seg, n_blocks, n_segs, None)
     _finish_moment(c, s, sd, sx, count, mean, var)
     _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
@@ -610,6 +615,50 @@ def _as_rows_impl(a, A, n):
 
 
 @njit(**_JIT)
+def _group_sums(x2, d2, y2, B, mean, shift, rows, c0, c1):
+    """(sd, sx) of channels c0..c1-1 over all rows of the (A, C*B) views: each rows block's
+    _short_block_sums (reduce_short_item's), added in block order as combine_channels_first
+    adds them (the same bits)."""
+    A = x2.shape[0]
+    lane_mean = _terms_mean(_lanes_of(mean, c0, c1, B), x2, shift)
+    lane_shift = _lanes_of(shift, c0, c1, B)
+    sd, sx = np.zeros(c1 - c0), np.zeros(c1 - c0)
+    bsd, bsx = np.empty(c1 - c0), np.empty(c1 - c0)
+    for j in range((A + rows - 1) // rows):
+        _short_block_sums(x2, d2, y2, B, lane_mean, lane_shift, j * rows,
+                          min(A, j * rows + rows), c0, c1, bsd, bsx)
+        for c in range(c1 - c0):
+            sd[c] += bsd[c]
+            sx[c] += bsx[c]
+    return sd, sx
+
+
+@njit(**_JIT)
+def forward_fused_short_item(g, x, z, out, aux, two_pass, weight, bias, eps, count, rows,
+                             group, mean, var, invstd, coef):
+    """Training forward of group g of channels with short runs while it is in cache: the
+    moments as forward_fused_item takes them, by the ``short`` reduction's row blocks, lanes
+    and order, then the normalize pass (elementwise_runs_item's runs): the same bits."""
+    A, C, B = x.shape
+    c0, c1 = g * group, min(C, g * group + group)
+    x2 = x.reshape((A, C * B))
+    shift = np.zeros(C)  # (the group's entries only: indexed as in the whole array)
+    if two_pass:
+        shift[c0:c1] = _group_sums(x2, None, None, B, shift, shift, rows, c0, c1)[0] / count
+    else:
+        for c in range(c0, c1):
+            shift[c] = np.float64(to_float(x[0, c, 0]))
+    for c in range(c0, c1):
+        shift[c] = _finite(shift[c])
+    sd, sx = _group_sums(x2, None, None, B, shift, shift, rows, c0, c1)
+    for c in range(c0, c1):
+        _finish_moment(c, shift[c], sd[c - c0], sx[c - c0], count, mean, var)
+        _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
+    for a in range(A):
+        _map_runs(a, c0, c1, 0, B, x, None, None, z, out, aux, coef)
+
+
+@njit(**_JIT)
 def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count, rows, group,
                               span_loop, sum_dy, sum_dy_xmu, coef):
     """Training backward of group g of channels with short runs: the ``short`` reduction's
@@ -620,15 +669,7 @@ def backward_fused_short_item(g, x, dy, y, out, aux, mean, invstd, weight, count
     A, C, B = x.shape
     c0, c1 = g * group, min(C, g * group + group)
     x2, d2, y2 = x.reshape((A, C * B)), dy.reshape((A, C * B)), _as_rows(y, A, C * B)
-    lane_mean = _terms_mean(_lanes_of(mean, c0, c1, B), x2, None)
-    sd, sx = np.zeros(c1 - c0), np.zeros(c1 - c0)
-    bsd, bsx = np.empty(c1 - c0), np.empty(c1 - c0)
-    for j in range((A + rows - 1) // rows):  # the blocks in order, as combine_channels_first
-        _short_block_sums(x2, d2, y2, B, lane_mean, None, j * rows, min(A, j * rows + rows),
-                          c0, c1, bsd, bsx)
-        for c in range(c1 - c0):
-            sd[c] += bsd[c]
-            sx[c] += bsx[c]
+    sd, sx = _group_sums(x2, d2, y2, B, mean, None, rows, c0, c1)
     for c in range(c0, c1):
         sum_dy[c], sum_dy_xmu[c] = sd[c - c0], sx[c - c0]
         _train_coefficients(sd[c - c0], sx[c - c0], invstd[c], weight[c], count, mean[c], coef,
@@ -875,6 +916,11 @@ def forward_fused_serial(n, *args):
 
 
 @njit(**_JIT)
+def forward_fused_short_serial(n, *args):
+    run_items(forward_fused_short_item, None, n, args)
+
+
+@njit(**_JIT)
 def copy_rows_serial(n, *args):
     run_items(copy_rows_item, None, n, args)
 
@@ -926,6 +972,13 @@ def spread_lanes(values, repeat, times, lanes):
                     lanes[r, t * C + c] = values[r, c]
 
 
+@njit(inline="always", **_JIT)
+def _finite(shift):
+    """A moments' shift, or 0 where it is inf or NaN (bngrad.api._moments): x - inf would make
+    every sum NaN, and an infinite mean NaN; a shift only buys accuracy."""
+    return shift if np.isfinite(shift) else 0.0
+
+
 # The forward's per-channel statistics and coefficients in one call each (bngrad.api): a dozen
 # NumPy operations on (C,) vectors cost more than a small call's kernels. The same IEEE
 # operations in the same order as the NumPy expressions they replace, so the same bits; NaN
@@ -946,9 +999,26 @@ def finish_moments(shift, sum_d, sum_d2, count, mean, var):
 
 
 @njit(inline="always", **_JIT)
-def _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef):
+def _inv_std(var, eps, train):
+    """1 / sqrt(var + eps), var >= 0 (or NaN), eps >= 0; where both are 0, as PyTorch: 0 in
+    training (its InvStd: the channel's output is then its bias), inf in eval."""
+    v = var + eps
+    if v == 0.0:  # (a test, not a division by zero: Numba would raise, in a worker unseen)
+        return 0.0 if train else np.inf
+    return 1.0 / np.sqrt(v)
+
+
+@njit(**_JIT)
+def inv_stds(var, eps, train, invstd):
+    """invstd = _inv_std(var, eps, train), elementwise (kernels.inv_std)."""
+    for c in range(var.shape[0]):
+        invstd[c] = _inv_std(var[c], eps, train)
+
+
+@njit(inline="always", **_JIT)
+def _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef, train=True):
     """Channel c of normalize_coefficients."""
-    s = 1.0 / np.sqrt(var[c] + eps)
+    s = _inv_std(var[c], eps, train)
     invstd[c] = s
     coef[SCALE, c] = s * weight[c]
     coef[PROJ, c] = 0.0
@@ -957,10 +1027,11 @@ def _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef):
 
 
 @njit(**_JIT)
-def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef):
-    """invstd = 1 / sqrt(var + eps); the normalize pass's coefficient rows (coef's dtype)."""
+def normalize_coefficients(mean, var, eps, weight, bias, invstd, coef, train):
+    """invstd = 1 / sqrt(var + eps) (_inv_std); the normalize pass's coefficient rows (coef's
+    dtype)."""
     for c in range(mean.shape[0]):
-        _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
+        _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef, train)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1063,15 +1134,15 @@ def forward_one_call(xr, xe, out, first, weight, bias, eps, count, tiles, stats,
         _lane_sums(xr, None, zeros, zeros, repeat_r, times_r, rows_r, cols_r, first, unused,
                    launch)
         for c in range(C):
-            shift[c] = first[c] / count
+            shift[c] = _finite(first[c] / count)
     else:
         for c in range(C):
-            shift[c] = np.float64(to_float(xr[0, c * times_r if repeat_r else c]))
+            shift[c] = _finite(np.float64(to_float(xr[0, c * times_r if repeat_r else c])))
     sum_d, sum_d2 = np.zeros(C), np.zeros(C)
     lanes = _spread1(shift, repeat_r, times_r, L)
     _lane_sums(xr, None, lanes, lanes, repeat_r, times_r, rows_r, cols_r, sum_d, sum_d2, launch)
     finish_moments(shift, sum_d, sum_d2, count, mean, var)
-    normalize_coefficients(mean, var, eps, weight, bias, invstd, coef)
+    normalize_coefficients(mean, var, eps, weight, bias, invstd, coef, True)
     _elementwise_one_call(xe, None, out, coef, repeat_e, times_e, rows_e, cols_e, launch)
 
 

@@ -33,6 +33,7 @@ import bngrad as _api  # the public core API
 from .. import _dtypes
 from .. import _gomp
 from ..errors import ArgumentValueError, BngradError
+from ..kernels import inv_std
 from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
 from .modules import _BngradModule, _share_state
@@ -136,7 +137,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # saved for the backward, so a half input keeps the bits float64 holds over float32.
         stat_dtype = max(_dtypes.spec(x.dtype).param_dtypes, key=lambda d: d.itemsize)
         mean_s = gmean.astype(stat_dtype)
-        invstd_s = (1.0 / np.sqrt(gvar + eps)).astype(stat_dtype)
+        invstd_s = inv_std(gvar, eps, train=True).astype(stat_dtype)
 
         if total > 0:  # an all-empty global batch leaves running stats alone, as torch does
             with torch.no_grad():
