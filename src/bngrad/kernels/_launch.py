@@ -78,8 +78,7 @@ __all__ = ["LAUNCHERS", "numba_pool", "torch_team"]
 #: ``transpose_last_two``).
 LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
              "elementwise_lanes", "backward_fused", "backward_fused_short", "forward_fused",
-             "forward_fused_short",
-             "copy_rows", "transpose_last_two")
+             "forward_fused_short", "copy_rows", "transpose_last_two")
 
 # Chunks per share: enough that a thread preempted mid-launch leaves most of its share to the
 # others, few enough that a chunk still spans neighbouring items.
