@@ -213,9 +213,47 @@ def test_chunks_keep_the_extra_memory_small(pair, mask):
             assert fits(peak), (budget, peak, size)
 
 
+@pytest.mark.parametrize("variant", ["float32", "bfloat16-p32"])
+@pytest.mark.parametrize("layouts", [("contig", "chlast"), ("chlast", "contig"),
+                                     ("sliced", "contig")], ids="/".join)
+def test_fused_backward_copies_into_grad_input(variant, layouts):
+    """The fused backward, too, copies what must be copied (grad_out in another layout, a
+    sliced input) into grad_input's buffer and computes in place: the bits of the call on the
+    copies made beforehand, for each ReLU record (mask bits, mask bytes, the output y) with
+    the side input's gradient, on 1 and 2 threads and each path the shapes take."""
+    for shape in [(6, 24, 9, 9), (3, 20, 40, 40)]:
+        case = make_case(shape, variant=variant, layouts=layouts)
+        x, dy = case.input, case.grad_out
+        dense = np.ascontiguousarray(x)  # (input's memory order, where x is dense)
+        x_dense = dense if not x.flags.c_contiguous and layouts[0] == "sliced" else x
+        dy_like_x = np.empty_like(x_dense)
+        dy_like_x[...] = dy
+        for fmt in ("bits", "bytes", None):
+            y, mean, invstd, mask = bngrad.fused.batch_norm_relu_forward(
+                x_dense, case.weight, mask_format=fmt or "bits")
+            record = dict(output=y) if fmt is None else dict(relu_mask=mask)
+            for threads in (1, 2):
+                kw = dict(save_mean=mean, save_invstd=invstd, num_threads=threads, **record)
+                expected = bngrad.fused.batch_norm_relu_backward(dy_like_x, x_dense,
+                                                                  case.weight, **kw)
+                got = bngrad.fused.batch_norm_relu_backward(dy, x, case.weight, **kw)
+                for i, (a, b) in enumerate(zip(got, expected)):
+                    assert_bitwise_equal(a, b, f"output {i}, record {fmt}, {threads} threads")
+    out = np.empty_like(x_dense)  # grad_input given: no copy of the array's size is made
+
+    def backward():
+        bngrad.fused.batch_norm_relu_backward(dy, x, case.weight, save_mean=mean,
+                                              save_invstd=invstd, output=y,
+                                              output_mask=(True, True, True, False), out=out)
+    backward()  # (a first call's own allocations: compiling, caching its plan)
+    peak = _peak_bytes(backward)
+    assert peak < x.nbytes / 2, (peak, x.nbytes)  # (a copy: x.nbytes more)
+
+
 def test_fused_backward_into_its_own_output_with_a_copied_grad_out():
-    """The fused backward keeps its own copy of grad_out: ``out`` may be the forward's output
-    ``y`` that it reads (a copy made in out would overwrite y first)."""
+    """The fused backward keeps its own copy of grad_out where ``out`` may share memory with
+    the ReLU's record it reads, e.g. the forward's output ``y`` (a copy made in out would
+    overwrite y first)."""
     case = make_case((4, 6, 5, 7), layouts=("contig", "chlast"))
     y = bngrad.fused.batch_norm_relu_forward(case.input, case.weight)[0]
     expected = bngrad.fused.batch_norm_relu_backward(case.grad_out, case.input, case.weight,

@@ -6,7 +6,7 @@ fresh install therefore spends seconds on the first call of each dtype and layou
 makes those first calls on tiny arrays, once, through the public API: every dtype, every
 canonical path (2-D and narrow channels-last rows, short, medium and long channels-first runs,
 the fused per-channel kernels, mixed layouts and sliced inputs), training and eval, forward and
-backward, and the split reduce/elemt pair.
+backward, the moments and the split reduce/elemt pair.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> N
         bngrad.batch_norm_backward(dy, x, w, rm, rv, None, None, False, num_threads=num_threads)
         bngrad.batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True,
                                    output_mask=(False, True, True), num_threads=num_threads)
+        bngrad.batch_norm_moments(x, num_threads=num_threads)  # (the training forward may fuse)
         sums = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w, num_threads=num_threads)
         bngrad.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums[0], sums[1],
                                          x.size // C, num_threads=num_threads)

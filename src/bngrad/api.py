@@ -351,12 +351,14 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     w = _f64(weight, n_channels, 1.0)
 
     plain = relu is None and relu_bits is None and not grad_side
-    # A plain backward with grad_input copies what must be copied into grad_input's buffer
-    # (bngrad._layout); the fused ones keep their copies (an out= that is relu's y must not be
-    # written before y is read).
+    # A backward with grad_input copies what must be copied into grad_input's buffer
+    # (bngrad._layout), but for an out= that may share memory with the ReLU's record (y, or its
+    # mask), which must not be written before it is read.
+    record = relu if relu is not None else relu_bits
     layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=plain,
                   fusing=train and mask[0], layout=None if known is None else known.layout,
-                  grad_in_output=plain and mask[0])
+                  grad_in_output=mask[0] and (record is None or out is None
+                                              or not np.may_share_memory(out, record)))
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, out_dtype, layout.layout))
     with kernels.region(layout.kernel):
