@@ -266,6 +266,9 @@ def test_cli_reference_cap_and_list(tiny_suite, tmp_path, capsys):
     (["--dtype", "int8"], "--dtype: unknown dtype 'int8'"),
     (["--layout", "nchw,diagonal"], "--layout: unknown layout 'diagonal'"),
     (["--reference-cap", "-1"], "--reference-cap: expected >= 0, got -1"),
+    # output files are checked before the run, not after it (the figures were lost)
+    (["--json", "/nonexistent-folder/run.json"], "--json: the folder '/nonexistent-folder'"),
+    (["--markdown", "/"], "--markdown: expected a file to write, got the folder '/'"),
 ])
 def test_cli_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
     assert cli.main(["bench", "--suite", "quick", *argv]) == 2

@@ -413,3 +413,58 @@ def test_call_nested_in_a_signal_handler_with_the_workqueue_fallback():
     script = _NESTED_WORKQUEUE_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)))
     code, output = _run_script(script, {"NUMBA_THREADING_LAYER": "workqueue"})
     assert code == 0 and "ok" in output, output[-2000:]
+
+
+# Another thread is compiling (here: holds Numba's compiler lock, as a compile does) when the
+# main thread forks: the fork waits for it to end, so that the child, whose first call must
+# compile or load a kernel, does not wait forever for a lock that no thread of its holds.
+_FORK_DURING_A_COMPILE_SCRIPT = """
+import os, threading, time
+import numpy as np
+from numba.core.compiler_lock import global_compiler_lock
+import bngrad
+held = threading.Event()
+def compiling():
+    with global_compiler_lock:
+        held.set()
+        time.sleep(1.0)
+threading.Thread(target=compiling).start()
+held.wait()
+pid = os.fork()
+if pid == 0:
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    bngrad.batch_norm_forward(x, num_threads=1)  # loads or compiles: takes the lock
+    os._exit(0)
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+        print("ok" if os.waitstatus_to_exitcode(status) == 0 else "child failed")
+        break
+    time.sleep(0.05)
+else:
+    os.kill(pid, 9)
+    print("the child hung")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX-only")
+def test_fork_while_another_thread_compiles():
+    code, output = _run_script(_FORK_DURING_A_COMPILE_SCRIPT, {})
+    assert code == 0 and output.strip().endswith("ok"), output[-2000:]
+
+
+def test_call_nested_in_a_compile_is_refused_clearly():
+    """A call made on a thread whose interrupted call is compiling or loading a kernel (a
+    signal handler's): NestedCallError, before it reaches Numba, whose compiler cannot be
+    entered twice on one thread; once the compile is over, calls work."""
+    from numba.core.compiler_lock import global_compiler_lock
+
+    x = np.random.default_rng(0).standard_normal((4, 3, 5))
+    with global_compiler_lock:
+        for call in (lambda: bngrad.batch_norm_forward(x),
+                     lambda: bngrad.batch_norm_backward(x, x),
+                     lambda: bngrad.batch_norm_moments(x)):
+            with pytest.raises(bngrad.NestedCallError, match="compiling or loading a kernel"):
+                call()
+    bngrad.batch_norm_forward(x)

@@ -16,7 +16,7 @@ from .api import (
     batch_norm_moments,
     explain,
 )
-from .errors import ArgumentTypeError, ArgumentValueError, BngradError
+from .errors import ArgumentTypeError, ArgumentValueError, BngradError, NestedCallError
 from .fused import batch_norm_relu_backward, batch_norm_relu_forward
 
 # The only place the version is written: pyproject.toml reads it (dynamic = ["version"]).
@@ -26,6 +26,7 @@ __all__ = [
     "ArgumentTypeError",
     "ArgumentValueError",
     "BngradError",
+    "NestedCallError",
     "batch_norm_backward",
     "batch_norm_backward_elemt",
     "batch_norm_backward_reduce",

@@ -7,6 +7,7 @@ arguments; :func:`_in_flag_terms` says them in this command's flags.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import List, Optional
 
@@ -85,6 +86,19 @@ def _missing_extra(module: str) -> Optional[str]:
     return None
 
 
+def _check_writable(flag: str, path: Optional[str]) -> None:
+    """ArgumentValueError where a file cannot be written at ``path`` (None: not asked for)."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ArgumentValueError(f"{flag}: expected a file to write, got the folder {path!r}")
+    if not os.path.isdir(folder):
+        raise ArgumentValueError(f"{flag}: the folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ArgumentValueError(f"{flag}: {path!r} cannot be written (permissions)")
+
+
 def run(args: argparse.Namespace) -> int:
     for module in ["rich"] + (["matplotlib"] if args.plot else []):
         message = _missing_extra(module)
@@ -106,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
                                     else bench.SUITES[args.suite][1])
         if args.reference_cap < 0:
             raise ArgumentValueError(f"--reference-cap: expected >= 0, got {args.reference_cap}")
+        for flag, path in (("--json", args.json), ("--plot", args.plot),
+                           ("--markdown", args.markdown)):
+            _check_writable(flag, path)  # before running for minutes, not after
     except ArgumentValueError as exc:
         console.print(f"[red]bngrad bench: {_in_flag_terms(exc)}[/red]")
         return 2

@@ -23,7 +23,10 @@ import time
 from typing import Optional
 
 import numba
+from numba.core import compiler_lock as _compiler_lock
 from numba.np.ufunc import parallel as _numba_parallel
+
+from .errors import NestedCallError
 
 _TBB_NAMES = ("libtbb.so.12", "libtbb.12.dylib", "tbb12.dll")
 
@@ -156,15 +159,29 @@ class _ForkGate:
                 self._cond.notify_all()
 
     def before_fork(self) -> None:
-        with self._cond:
-            self._forks += 1
-            self._parked += self._mine()
-            while self._running > self._parked:
-                self._cond.wait()
+        # Nor may another thread be compiling or loading a kernel: its locks (Numba's compiler
+        # lock, llvmlite's, LLVM's own) would stay held in the child, whose first call would
+        # wait forever. So the fork also holds Numba's compiler lock, taken without waiting
+        # while holding the gate (a thread that holds it may need a region to finish).
+        compiler = _compiler_lock.global_compiler_lock._lock
+        while True:
+            with self._cond:
+                self._forks += 1
+                self._parked += self._mine()
+                while self._running > self._parked:
+                    self._cond.wait()
+                if compiler.acquire(blocking=False):
+                    break
+                self._forks -= 1
+                self._parked -= self._mine()
+                self._cond.notify_all()
+            compiler.acquire()  # (the compile in flight ends; then try again)
+            compiler.release()
         if self._used:
             _wait_for_native_threads_to_sleep()
 
     def after_fork_in_parent(self) -> None:
+        _compiler_lock.global_compiler_lock._lock.release()
         with self._cond:
             self._forks -= 1
             self._parked -= self._mine()
@@ -172,6 +189,7 @@ class _ForkGate:
 
     def after_fork_in_child(self) -> None:
         global _launch_lock
+        _compiler_lock.global_compiler_lock._lock.release()  # (this thread's, from the fork)
         self._reset(running=self._mine())
         if not self._mine():  # nobody here holds it, whatever it looked like at the fork
             _launch_lock = threading.RLock()
@@ -235,10 +253,25 @@ class parallel_region:
 def resolve_num_threads(num_threads: Optional[int]) -> int:
     """The threads a call asked to run on ``num_threads`` (None: the count in force) gets:
     what the plan and the choice of a serial call read. Reads Numba's count only for None, so
-    that a call given its count never touches Numba's thread pool."""
+    that a call given its count never touches Numba's thread pool.
+
+    Every call that runs kernels asks this first, so this is also where a call nested in the
+    middle of a kernel's compiling or loading on its own thread (a signal handler's) is refused
+    with NestedCallError: Numba's compiler lock is re-entrant, and a second compile on the
+    same thread corrupts its state (aborts, broken imports, every later call failing)."""
+    if _compiler_lock_is_mine():
+        raise NestedCallError(
+            "bngrad was called while this thread's interrupted bngrad call (e.g. by a signal "
+            "handler) is compiling or loading a kernel, which cannot be done twice at once; "
+            "run the first call before installing the handler, or `bngrad precompile`")
     if num_threads is None:
         return current_num_threads()
     return min(num_threads, numba.config.NUMBA_NUM_THREADS)
+
+
+def _compiler_lock_is_mine() -> bool:
+    lock = getattr(_compiler_lock.global_compiler_lock, "_lock", None)
+    return lock is not None and lock._is_owned()
 
 
 def current_num_threads() -> int:

@@ -13,6 +13,7 @@ import numbers
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import numpy.ma  # noqa: F401  (np.ma is imported lazily: not in a call a signal may interrupt)
 
 from . import _dtypes
 from ._dtypes import is_half

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["BngradError", "ArgumentValueError", "ArgumentTypeError"]
+__all__ = ["BngradError", "ArgumentValueError", "ArgumentTypeError", "NestedCallError"]
 
 
 class BngradError(Exception):
@@ -15,3 +15,8 @@ class ArgumentValueError(BngradError, ValueError):
 
 class ArgumentTypeError(BngradError, TypeError):
     """An argument has the wrong type or dtype."""
+
+
+class NestedCallError(BngradError, RuntimeError):
+    """A call made on a thread whose interrupted call (e.g. by a signal handler) is compiling
+    or loading a kernel, which Numba cannot do twice at once on one thread."""
