@@ -220,6 +220,17 @@ def test_api_rejects_wrong_array(tmp_path):
         vectors.compare(golden, {"dx": golden.arrays["dx"].astype(np.float64)})
     with pytest.raises(vectors.UnusableInputError, match="256"):
         vectors.compare(golden, {"dx": golden.arrays["dx"][:2]})
+    with pytest.raises(TypeError, match=r"outputs\['dx'\]: expected a NumPy array or a file's "
+                                        "path, got list"):
+        vectors.compare(golden, {"dx": golden.arrays["dx"].tolist()})
+
+
+def test_empty_out_dir_is_refused(tmp_path, monkeypatch, capsys):
+    """Path("") is the current folder: an empty --out would write there."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["vectors", "--out", "", "--batch", "4", "--channel", "3", "--dtype", "fp32"]) == 2
+    assert "--out: expected a folder, got an empty path" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -549,6 +549,8 @@ def save_vectors(vectors: GoldenVectors, out_dir: PathLike, file_format: str = "
     if not isinstance(vectors, GoldenVectors):
         raise ArgumentTypeError(f"vectors: expected GoldenVectors, got {type(vectors).__name__}")
     overwrite = boolean("overwrite", overwrite)
+    if isinstance(out_dir, (str, bytes)) and not out_dir:  # (Path("") is the current folder)
+        raise ArgumentValueError("out_dir: expected a folder, got an empty path")
     out = Path(out_dir)
     _existing_vectors(out, overwrite)
     out.mkdir(parents=True, exist_ok=True)
@@ -1088,8 +1090,11 @@ def compare(vectors: Union[GoldenVectors, PathLike],
                     f"{name}: expected {math.prod(shape)} {dtype.name} values, got "
                     f"{value.size} {value.dtype} values")
             actual = value.reshape(shape)
-        else:
+        elif isinstance(value, (str, bytes, os.PathLike)):
             actual = read_output(value, vectors, name)
+        else:
+            raise ArgumentTypeError(f"outputs[{name!r}]: expected a NumPy array or a file's "
+                                    f"path, got {type(value).__name__}")
         default = vectors.tolerances[name]
         results.append(compare_output(
             name, actual, vectors.arrays[name], ulp=ulp, show=show,
