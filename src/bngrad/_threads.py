@@ -20,7 +20,7 @@ import site
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numba
 from numba.core import compiler_lock as _compiler_lock
@@ -130,6 +130,7 @@ class _ForkGate:
     def __init__(self) -> None:
         self._depth = threading.local()  # this thread's regions in flight
         self._used = False               # whether any region was ever entered
+        self._compiler: Optional[Any] = None  # Numba's compiler lock, held by a fork
         self._reset(running=0)
 
     def _reset(self, running: int) -> None:
@@ -163,14 +164,15 @@ class _ForkGate:
         # lock, llvmlite's, LLVM's own) would stay held in the child, whose first call would
         # wait forever. So the fork also holds Numba's compiler lock, taken without waiting
         # while holding the gate (a thread that holds it may need a region to finish).
-        compiler = _compiler_lock.global_compiler_lock._lock
+        compiler = getattr(_compiler_lock.global_compiler_lock, "_lock", None)
+        self._compiler = compiler  # (None: a Numba without it; the fork is as before)
         while True:
             with self._cond:
                 self._forks += 1
                 self._parked += self._mine()
                 while self._running > self._parked:
                     self._cond.wait()
-                if compiler.acquire(blocking=False):
+                if compiler is None or compiler.acquire(blocking=False):
                     break
                 self._forks -= 1
                 self._parked -= self._mine()
@@ -181,7 +183,8 @@ class _ForkGate:
             _wait_for_native_threads_to_sleep()
 
     def after_fork_in_parent(self) -> None:
-        _compiler_lock.global_compiler_lock._lock.release()
+        if self._compiler is not None:
+            self._compiler.release()
         with self._cond:
             self._forks -= 1
             self._parked -= self._mine()
@@ -189,7 +192,8 @@ class _ForkGate:
 
     def after_fork_in_child(self) -> None:
         global _launch_lock
-        _compiler_lock.global_compiler_lock._lock.release()  # (this thread's, from the fork)
+        if self._compiler is not None:
+            self._compiler.release()  # (this thread's, from the fork)
         self._reset(running=self._mine())
         if not self._mine():  # nobody here holds it, whatever it looked like at the fork
             _launch_lock = threading.RLock()
