@@ -28,6 +28,10 @@ from numba.np.ufunc import parallel as _numba_parallel
 
 from .errors import NestedCallError
 
+# Numba's global compiler lock (a re-entrant lock; None in a Numba without the attribute, where
+# the fork and the nested-call check below go as they would without it)
+_COMPILER_LOCK: Optional[Any] = getattr(_compiler_lock.global_compiler_lock, "_lock", None)
+
 _TBB_NAMES = ("libtbb.so.12", "libtbb.12.dylib", "tbb12.dll")
 
 
@@ -130,7 +134,6 @@ class _ForkGate:
     def __init__(self) -> None:
         self._depth = threading.local()  # this thread's regions in flight
         self._used = False               # whether any region was ever entered
-        self._compiler: Optional[Any] = None  # Numba's compiler lock, held by a fork
         self._reset(running=0)
 
     def _reset(self, running: int) -> None:
@@ -164,8 +167,7 @@ class _ForkGate:
         # lock, llvmlite's, LLVM's own) would stay held in the child, whose first call would
         # wait forever. So the fork also holds Numba's compiler lock, taken without waiting
         # while holding the gate (a thread that holds it may need a region to finish).
-        compiler = getattr(_compiler_lock.global_compiler_lock, "_lock", None)
-        self._compiler = compiler  # (None: a Numba without it; the fork is as before)
+        compiler = _COMPILER_LOCK
         while True:
             with self._cond:
                 self._forks += 1
@@ -183,8 +185,8 @@ class _ForkGate:
             _wait_for_native_threads_to_sleep()
 
     def after_fork_in_parent(self) -> None:
-        if self._compiler is not None:
-            self._compiler.release()
+        if _COMPILER_LOCK is not None:
+            _COMPILER_LOCK.release()
         with self._cond:
             self._forks -= 1
             self._parked -= self._mine()
@@ -192,8 +194,8 @@ class _ForkGate:
 
     def after_fork_in_child(self) -> None:
         global _launch_lock
-        if self._compiler is not None:
-            self._compiler.release()  # (this thread's, from the fork)
+        if _COMPILER_LOCK is not None:
+            _COMPILER_LOCK.release()  # (this thread's, from the fork)
         self._reset(running=self._mine())
         if not self._mine():  # nobody here holds it, whatever it looked like at the fork
             _launch_lock = threading.RLock()
@@ -274,8 +276,7 @@ def resolve_num_threads(num_threads: Optional[int]) -> int:
 
 
 def _compiler_lock_is_mine() -> bool:
-    lock = getattr(_compiler_lock.global_compiler_lock, "_lock", None)
-    return lock is not None and lock._is_owned()
+    return _COMPILER_LOCK is not None and _COMPILER_LOCK._is_owned()
 
 
 def current_num_threads() -> int:
