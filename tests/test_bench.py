@@ -16,7 +16,7 @@ import pytest
 
 from bngrad import _bench as bench
 from bngrad import _dtypes, cli
-from bngrad._bench import machine, measure
+from bngrad._bench import machine, measure, results
 from bngrad.errors import ArgumentValueError
 from tolerances import assert_close
 
@@ -493,3 +493,67 @@ def test_cli_without_compile_flag_compiles_nothing(tiny_suite, tmp_path, monkeyp
         assert "torch_compile" not in got["timings"] and "torch_compile" not in got["skipped"]
         assert got["speedup_vs_torch_compile"] is None and "torch" in got["timings"]
     assert "torch.compile" not in (tmp_path / "bench.md").read_text()
+
+
+def _saved_run(tmp_path) -> dict:
+    """A small run as --json writes it, built without timing anything."""
+    timing = measure.Timing([1e-3, 2e-3, 3e-3], 4)
+    case = results.CaseResult(TINY[0], {"bngrad": timing, "torch": timing, "floor": timing},
+                            {"reference": "over the cap"}, {"bngrad": {"rss_extra": 1024}},
+                            1e-7, True, 1.5, 2)
+    startup = {"cold": {"import_s": 1.0, "first_call_s": {"a": 2.0}},
+               "warm": {"import_s": 0.5, "first_call_s": {"a": 0.1}}, "calls": ["a"]}
+    result = results.SuiteResult("quick", bench.Options(threads=2), machine.machine_info(2),
+                               [case], startup)
+    result.write_json(str(tmp_path / "run.json"))
+    return json.loads((tmp_path / "run.json").read_text())
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("cases"), "saved run: missing 'cases'"),
+    (lambda d: d.update(cases={}), "saved run: 'cases' must be a list, got {}"),
+    (lambda d: d["cases"].append(3), "'cases'[1] must be an object, got 3"),
+    (lambda d: d["options"].update(threads="2"), "'threads' must be an integer, got '2'"),
+    (lambda d: d["options"].update(threads=0), "'threads' must be at least 1, got 0"),
+    (lambda d: d["options"].update(scaling=1), "'scaling' must be true or false, got 1"),
+    (lambda d: d["machine"].pop("cpu_model"), "'machine': missing 'cpu_model'"),
+    (lambda d: d["machine"].update(cores=True), "'cores' must be an integer, got True"),
+    (lambda d: d["cases"][0].update(dtype="float8"), "'dtype' must be one of"),
+    (lambda d: d["cases"][0].update(layout=None), "'layout' must be a string, got None"),
+    (lambda d: d["cases"][0].update(shape=[4]), "'shape' must be at least 2 positive sizes"),
+    (lambda d: d["cases"][0].update(shape=[4, "3"]), "'shape'[1] must be an integer, got '3'"),
+    (lambda d: d["cases"][0]["timings"]["torch"].update(samples_ms=[]),
+     "timing 'torch': 'samples_ms' must be non-negative numbers"),
+    (lambda d: d["cases"][0]["timings"]["torch"].update(samples_ms=["fast"]),
+     "'samples_ms'[0] must be a number, got 'fast'"),
+    (lambda d: d["cases"][0]["timings"]["bngrad"].pop("number"), "missing 'number'"),
+    (lambda d: d["cases"][0]["skipped"].update(torch=0), "'torch' must be a string, got 0"),
+    (lambda d: d["cases"][0]["extra_memory"]["bngrad"].update(rss_extra="1 MiB"),
+     "'rss_extra' must be an integer or null"),
+    (lambda d: d["cases"][0].update(max_rel_diff_vs_torch="small"),
+     "'max_rel_diff_vs_torch' must be a number or null"),
+    (lambda d: d["startup"].update(calls=[]), "startup: 'calls' is empty"),
+    (lambda d: d["startup"]["warm"].update(first_call_s={}), "no time for the first call 'a'"),
+    (lambda d: d["startup"]["cold"].pop("import_s"), "'cold': missing 'import_s'"),
+])
+def test_cli_load_of_an_edited_file_names_the_field(tmp_path, capsys, edit, message):
+    """A hand-edited saved run is refused in one line naming the field (was: a traceback from
+    deep inside the rendering)."""
+    data = _saved_run(tmp_path)
+    path = tmp_path / "run.json"
+    assert cli.main(["bench", "--load", str(path)]) == 0  # the file as written renders
+    capsys.readouterr()
+    edit(data)
+    path.write_text(json.dumps(data))
+    assert cli.main(["bench", "--load", str(path)]) == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"bngrad bench: --load {path}: not a saved run: " in out
+    assert message in out
+
+
+@pytest.mark.parametrize("text", ["", "[1, 2]", "{\"suite\": 1", "null"])
+def test_cli_load_of_what_is_not_a_run_exits_2(tmp_path, capsys, text):
+    (tmp_path / "x.json").write_text(text)
+    assert cli.main(["bench", "--load", str(tmp_path / "x.json")]) == 2
+    assert "not a saved run" in capsys.readouterr().out
+    assert cli.main(["bench", "--load", str(tmp_path)]) == 2  # a folder

@@ -468,3 +468,15 @@ def test_call_nested_in_a_compile_is_refused_clearly():
             with pytest.raises(bngrad.NestedCallError, match="compiling or loading a kernel"):
                 call()
     bngrad.batch_norm_forward(x)
+
+
+def test_importing_bngrad_imports_what_a_call_would_import_lazily():
+    """numpy.ma (NumPy imports it lazily, on first use of np.ma) is imported with bngrad: its
+    first import inside a call nested in a signal handler re-entered the import system of the
+    interrupted call (RecursionError)."""
+    code = "import sys, bngrad; print('numpy.ma' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True"]
+    plain = "import sys, numpy; print('numpy.ma' in sys.modules)"  # the test can fail
+    out = subprocess.run([sys.executable, "-c", plain], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]

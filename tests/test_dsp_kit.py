@@ -326,3 +326,30 @@ def test_dsp_kit_refuses_to_overwrite(tmp_path, capsys):
     assert "--force" in capsys.readouterr().err and (out / "Makefile").read_text() == "mine"
     assert main(["dsp-kit", "--out", str(out), "--force"]) == 0
     assert (out / "Makefile").read_text() != "mine"
+
+
+def test_dsp_kit_with_a_folder_where_a_file_goes_writes_nothing(tmp_path, capsys):
+    """--force over a kit whose Makefile is a folder: refused before any file is written (it
+    wrote README.txt, then failed on the Makefile)."""
+    out = tmp_path / "kit"
+    (out / "Makefile").mkdir(parents=True)
+    assert main(["dsp-kit", "--out", str(out), "--force"]) == 2
+    assert "holds a folder named Makefile where the kit writes a file" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["Makefile"]
+
+
+def test_dsp_check_refuses_a_case_that_leads_out_of_the_suite(tmp_path, capsys):
+    """A case folder that is a symbolic link out of the suite is an ERROR, not followed; a
+    link inside the suite is followed."""
+    root = suite(tmp_path, FEW[:2])
+    for name in FEW[:2]:
+        for output, file in dsp_suite.OUTPUT_FILES.items():
+            shutil.copy(root / name / f"{output}.bin", root / name / file)
+    shutil.move(root / FEW[0], tmp_path / "outside")
+    (root / FEW[0]).symlink_to(tmp_path / "outside")
+    shutil.move(root / FEW[1], root / "inside")
+    (root / FEW[1]).symlink_to(root / "inside")
+    assert main(["dsp-check", str(root)]) == 2
+    out = capsys.readouterr().out
+    assert f"ERROR   {FEW[0]}" in out and "leads out of the suite" in out
+    assert f"PASS    {FEW[1]}" in out

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             result = bench.SuiteResult.read_json(args.load)
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            console.print(f"[red]bngrad bench: --load {args.load}: not a saved run ({exc!r})[/red]")
+            console.print(f"[red]bngrad bench: --load {args.load}: not a saved run: {exc}[/red]")
             return 2
     else:
         opts = bench.Options(threads=threads, repeat=repeat, reference_cap=args.reference_cap,

@@ -289,12 +289,17 @@ def write_kit(out_dir: PathLike, *, overwrite: bool = False) -> list[str]:
     vectors.ExistingVectorsError
         ``out_dir`` holds a file of the kit and ``overwrite`` is False (nothing is written).
     ArgumentValueError
-        ``out_dir`` is not a directory.
+        ``out_dir`` is not a directory, or holds a folder where the kit writes a file.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ArgumentValueError(f"out_dir: {out} exists and is not a directory")
     present = [name for name in KIT_FILES if os.path.lexists(out / name)]
+    folders = [name for name in present if (out / name).is_dir() and not (out / name).is_symlink()]
+    if folders:  # checked before writing anything: a kit half replaced is worse than none
+        raise ArgumentValueError(f"out_dir: {out} holds a folder named {', '.join(folders)} "
+                                 "where the kit writes a file; move it away or choose another "
+                                 "out_dir")
     if present and not overwrite:
         raise vectors.ExistingVectorsError(
             f"out_dir: {out} already holds {', '.join(present)}; pass overwrite=True to replace "
@@ -393,7 +398,18 @@ def check_suite(suite_dir: PathLike, show: int = vectors.SHOW) -> list[CaseResul
     Raises
     ------
     vectors.UnusableInputError
-        The index is missing or unusable (a single case's problem is its ERROR result).
+        The index is missing or unusable (a single case's problem is its ERROR result, a case
+        folder that is a symbolic link out of the suite among them).
     """
     root = Path(suite_dir)
-    return [check_case(root / name, show) for name in read_index(root)]
+    inside = root.resolve()
+    results = []
+    for name in read_index(root):
+        case = root / name
+        target = case.resolve()
+        if inside not in target.parents:  # a symbolic link out of the suite
+            results.append(CaseResult(name, "ERROR", f"{case} leads out of the suite, to "
+                                                     f"{target}; a case is a folder inside it"))
+        else:
+            results.append(check_case(case, show))
+    return results

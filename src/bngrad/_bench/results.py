@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import _dtypes
 from .. import fused
-from .cases import CF_CL, Case
+from .cases import CF_CL, LAYOUTS, OPS, Case
 from .contenders import TORCH_COMPILE, contenders
 from .measure import Timing
 
@@ -215,24 +215,28 @@ class SuiteResult:
         }
 
     @classmethod
-    def from_json(cls, data: dict) -> SuiteResult:
-        """Rebuild a result from :meth:`to_json`'s output (to re-render a saved run)."""
-        o = data["options"]
-        opts = Options(threads=o["threads"], repeat=o["repeat"], reference_cap=o["reference_cap"],
-                       scaling=o["scaling"], memory=o["memory"], min_sample_s=o["min_sample_s"],
-                       gap_s=o.get("gap_s", 0.0), seed=o["seed"],
-                       torch_compile=o.get("torch_compile", False))  # older files: no such key
-        cases = []
-        for c in data["cases"]:
-            timings = {name: Timing([v / 1e3 for v in t["samples_ms"]], t["number"])
-                       for name, t in c["timings"].items()}
-            cases.append(CaseResult(
-                Case(tuple(c["shape"]), c["dtype"], c["layout"], c.get("op", "backward")),
-                timings, dict(c["skipped"]),
-                dict(c["extra_memory"]), c["max_rel_diff_vs_torch"],
-                c["deterministic_across_threads"], c.get("cores_busy"), c["threads"],
-                c.get("max_rel_diff_vs_torch_compile")))
-        return cls(data["suite"], opts, dict(data["machine"]), cases, data.get("startup"))
+    def from_json(cls, data: Any) -> SuiteResult:
+        """Rebuild a result from :meth:`to_json`'s output (to re-render a saved run).
+
+        Every field the rendering uses is checked: a missing one, or one of the wrong type or
+        value (a hand-edited file), raises ValueError naming it."""
+        run = _Fields(data, "saved run")
+        o = run.fields("options")
+        opts = Options(threads=o.integer("threads"), repeat=o.integer("repeat"),
+                       reference_cap=o.integer("reference_cap", low=0), scaling=o.flag("scaling"),
+                       memory=o.flag("memory"), min_sample_s=o.number("min_sample_s"),
+                       gap_s=o.number("gap_s", default=0.0), seed=o.integer("seed", low=None),
+                       torch_compile=o.flag("torch_compile", default=False))  # older: no key
+        m = run.fields("machine")
+        m.text("cpu_model")
+        m.text("date")
+        m.integer("cores")
+        m.number("other_processes_cores", default=None)
+        cases = [_case_from_json(c) for c in run.items("cases")]
+        startup = run.get("startup", (dict, type(None)), default=None)
+        if startup is not None:
+            _check_startup(_Fields(startup, "startup"))
+        return cls(run.text("suite"), opts, dict(m.data), cases, startup)
 
     @classmethod
     def read_json(cls, path: str) -> SuiteResult:
@@ -254,3 +258,113 @@ def _finite(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_finite(v) for v in value]
     return value
+
+
+def _case_from_json(c: _Fields) -> CaseResult:
+    shape = tuple(c.items("shape", int))
+    if len(shape) < 2 or min(shape) < 1:
+        raise ValueError(f"{c.where}: 'shape' must be at least 2 positive sizes, got {shape}")
+    case = Case(shape, c.choice("dtype", _dtypes.NAMES), c.choice("layout", LAYOUTS),
+                c.choice("op", OPS, default="backward"))
+    timings = {}
+    for name, t in c.fields("timings").data.items():
+        t = _Fields(t, f"{c.where} timing {name!r}")
+        samples = [s / 1e3 for s in t.items("samples_ms", float)]
+        if not samples or min(samples) < 0:
+            raise ValueError(f"{t.where}: 'samples_ms' must be non-negative numbers, "
+                             f"at least one")
+        timings[str(name)] = Timing(samples, t.integer("number"))
+    skipped = c.fields("skipped")
+    memory = c.fields("extra_memory")
+    for name in memory.data:
+        per = memory.fields(name)
+        for key in per.data:
+            per.integer(key, low=0, default=None)
+    return CaseResult(
+        case, timings, {str(k): skipped.text(k) for k in skipped.data}, dict(memory.data),
+        c.number("max_rel_diff_vs_torch", default=None),
+        c.get("deterministic_across_threads", (bool, type(None))),
+        c.number("cores_busy", default=None), c.integer("threads"),
+        c.number("max_rel_diff_vs_torch_compile", default=None))
+
+
+def _check_startup(s: _Fields) -> None:
+    calls = [str(k) for k in s.items("calls", str)]
+    if not calls:
+        raise ValueError(f"{s.where}: 'calls' is empty")
+    for phase in ("cold", "warm"):
+        p = s.fields(phase)
+        p.number("import_s")
+        first = p.fields("first_call_s")
+        for key in first.data:
+            first.number(key)
+        if calls[0] not in first.data:
+            raise ValueError(f"{first.where}: no time for the first call {calls[0]!r}")
+
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """A JSON object being read: each accessor checks one field's type (and range), raising
+    ValueError that names the field and says what was expected and what was found."""
+
+    def __init__(self, data: Any, where: str):
+        if not isinstance(data, dict):
+            raise ValueError(f"{where} must be a JSON object, got {type(data).__name__}")
+        self.data, self.where = data, where
+
+    def get(self, key: str, types: Any, default: Any = _REQUIRED) -> Any:
+        if key not in self.data:
+            if default is _REQUIRED:
+                raise ValueError(f"{self.where}: missing {key!r}")
+            return default
+        value = self.data[key]
+        # JSON's true/false load as bool, a subclass of int: a flag is not a number
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            kinds = [t for t in types if not (t is int and float in types)]  # "a number"
+            raise ValueError(f"{self.where}: {key!r} must be "
+                             f"{' or '.join(_KINDS[t] for t in kinds)}, got {value!r}")
+        return value
+
+    def fields(self, key: str) -> _Fields:
+        return _Fields(self.get(key, (dict,)), f"{self.where} {key!r}")
+
+    def items(self, key: str, kind: Any = dict) -> List[Any]:
+        values = self.get(key, (list,))
+        types = (int, float) if kind is float else (kind,)
+        for i, v in enumerate(values):
+            if not isinstance(v, types) or isinstance(v, bool):
+                raise ValueError(f"{self.where}: {key!r}[{i}] must be {_KINDS[kind]}, "
+                                 f"got {v!r}")
+        return [_Fields(v, f"{self.where} {key}[{i}]") for i, v in enumerate(values)
+                ] if kind is dict else values
+
+    def text(self, key: str) -> str:
+        return self.get(key, (str,))
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self.get(key, (bool,), default)
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self.get(key, (int, float) + ((type(None),) if default is None else ()), default)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{self.where}: {key!r} must be finite, got {value!r}")
+        return value
+
+    def integer(self, key: str, low: Optional[int] = 1, default: Any = _REQUIRED) -> Any:
+        value = self.get(key, (int,) + ((type(None),) if default is None else ()), default)
+        if value is not None and low is not None and value < low:
+            raise ValueError(f"{self.where}: {key!r} must be at least {low}, got {value!r}")
+        return value
+
+    def choice(self, key: str, allowed: Iterable[str], default: Any = _REQUIRED) -> str:
+        value = self.get(key, (str,), default)
+        if value not in allowed:
+            raise ValueError(f"{self.where}: {key!r} must be one of {', '.join(allowed)}, "
+                             f"got {value!r}")
+        return value
+
+
+_KINDS = {dict: "an object", list: "a list", str: "a string", bool: "true or false",
+          int: "an integer", float: "a number", type(None): "null"}
