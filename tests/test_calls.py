@@ -185,3 +185,40 @@ def test_fused_calls_share_what_is_remembered(variant, layouts):
     assert len(_calls._known) == 2
     assert _bits(fused_pair()) == alone
     assert len(_calls._known) == 2  # the plain calls' signatures served the fused ones
+
+
+@pytest.mark.parametrize("variant", ["float64", "float32", "float16-p32", "bfloat16"])
+@pytest.mark.parametrize("layouts", [("contig", "contig"), ("chlast", "chlast")],
+                         ids=lambda p: "/".join(p))
+@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
+def test_a_repeat_one_call_skips_the_layout_and_keeps_the_bits(variant, layouts, parallel,
+                                                               monkeypatch):
+    """A repeat training call whose plan runs as one compiled pass (a small array) makes its
+    views itself and never plans the layout; its results (and running statistics) are the
+    bits of the first, checked and planned, call: into a new array, into out, in place."""
+    from bngrad import api, kernels
+    case = make_case((8, 8, 4, 4), 1, variant, "train", layouts=layouts)
+    with kernels.override(**({"serial_elements": 0} if parallel else {})):
+        plan = api.plan(case.input, case.grad_out, 1, 2).kernel
+        assert plan.one_call and plan.serial is not parallel
+        first_backward = _backward(case, num_threads=2)
+        first_forward = _forward(case, num_threads=2)
+
+        def no_planning(*args, **kwargs):
+            raise AssertionError("a repeat one-call call planned the layout")
+        monkeypatch.setattr(api, "plan", no_planning)
+        assert _bits(_backward(case, num_threads=2)) == _bits(first_backward)
+        assert _bits(_forward(case, num_threads=2)) == _bits(first_forward)
+        out = np.empty_like(case.input)
+        result = _backward(case, num_threads=2, out=out)
+        assert result[0] is out and _bits(result) == _bits(first_backward)
+        for which in (0, 1):  # out is grad_out, then input (in place)
+            args = list(case.args())
+            args[which] = args[which].copy(order="K")
+            result = bngrad.batch_norm_backward(*args, **case.kwargs(), num_threads=2,
+                                                out=args[which])
+            assert result[0] is args[which] and _bits(result) == _bits(first_backward)
+        # out in another layout than the plan's (Fortran order): the general path, same bits
+        monkeypatch.undo()
+        other = np.empty(case.input.shape[::-1], case.input.dtype).transpose(3, 2, 1, 0)
+        assert _bits(_backward(case, num_threads=2, out=other)) == _bits(first_backward)

@@ -307,23 +307,24 @@ def plan(input: np.ndarray, grad_out: Optional[np.ndarray], channel_axis: int, t
         return _chunked_plan(input, grad_out, layout, kernel, pending)
     x = None
     if in_output != "input":
-        x = input.transpose(layout.order)
-        if "input" in copied:
-            x = _dense_copy(x, threads)
-        x = as_kernel_array(x).reshape(layout.canonical)
-        # The kernels' inputs as read-only views (never the caller's arrays: reshape made new
-        # ones): Numba compiles a kernel once more for each read-only operand, so writable and
-        # read-only callers share one compiled kernel.
-        x.flags.writeable = False
+        x = (kernel_input(_dense_copy(input.transpose(layout.order), threads), layout, False)
+             if "input" in copied else kernel_input(input, layout))
     dy = None
     if grad_out is not None and in_output != "grad_out":
-        if "grad_out" in copied:
-            dy = as_kernel_array(_in_order(grad_out, layout.order, threads))
-        else:
-            dy = as_kernel_array(grad_out.transpose(layout.order))
-        dy = dy.reshape(layout.canonical)
-        dy.flags.writeable = False
+        dy = (kernel_input(_in_order(grad_out, layout.order, threads), layout, False)
+              if "grad_out" in copied else kernel_input(grad_out, layout))
     return Plan(x, dy, layout, kernel, pending)
+
+
+def kernel_input(array: np.ndarray, layout: _Layout, in_order: bool = True) -> np.ndarray:
+    """The kernels' read-only view of ``array`` (input's shape, dense in ``layout``'s order;
+    ``in_order`` False: already in that order, a copy): never the caller's array, so that
+    writable and read-only callers share one compiled kernel (Numba compiles a kernel once more
+    for each read-only operand)."""
+    memory = array.transpose(layout.order) if in_order else array
+    view = as_kernel_array(memory).reshape(layout.canonical)
+    view.flags.writeable = False
+    return view
 
 
 def _takes_chunks(input: np.ndarray, layout: _Layout, threads: int, channel_axis: int,

@@ -7,14 +7,14 @@ on the CPU (see README for where bngrad deliberately does better).
 from __future__ import annotations
 
 import functools
-from typing import Any, Optional, Sequence, Tuple
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from . import _calls, _dtypes
 from . import _validate as check
 from . import kernels
-from ._layout import Plan, plan
+from ._layout import Plan, _Layout, _Shape, kernel_input, plan
 from ._threads import resolve_num_threads
 from .errors import ArgumentValueError
 
@@ -91,6 +91,38 @@ def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Arr
 
 def _as_param_dtype(values: Optional[Array], dtype: np.dtype) -> Optional[Array]:
     return None if values is None else values.astype(dtype)
+
+
+class _OneCall(NamedTuple):
+    plan: kernels.KernelPlan
+    layout: _Layout
+
+
+def _one_call(known: Optional[_calls.Known], threads: int) -> Optional[_OneCall]:
+    """A repeat call's kernel plan where its kernels run as one compiled pass over views of the
+    caller's arrays (``KernelPlan.one_call``, nothing copied), else None. Such a call (a small
+    array: its time is mostly fixed cost, issue 12) skips planning the layout and makes the
+    views itself; the kernels, and so the bits, are those of the general path."""
+    if known is None or known.layout.copied:
+        return None
+    kernel = kernels.plan(_Shape(known.layout.canonical), threads)
+    return _OneCall(kernel, known.layout) if kernel.one_call else None
+
+
+def _dense_in(array: Array, layout: _Layout) -> bool:
+    """Whether ``array`` (input's shape) is dense in ``layout``'s memory order."""
+    return array.transpose(layout.order).flags.c_contiguous
+
+
+def _output_view(out: Optional[Array], input: Array, layout: _Layout) -> tuple[Array, Array]:
+    """(kernel view, result) of ``out`` (dense in ``layout``'s order) or of a new array in that
+    order (as ``Plan.output`` where nothing is copied)."""
+    if out is None:
+        memory = np.empty(layout.memory_shape, dtype=input.dtype)
+        out = memory.transpose(layout.inverse)
+    else:
+        memory = out.transpose(layout.order)
+    return kernels.as_kernel_array(memory).reshape(layout.canonical), out
 
 
 def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Optional[int] = None
@@ -206,10 +238,22 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
                                      "in train mode), got a read-only array")
     n_channels = input.shape[axis]
     stat_dtype, compute = spec.stat, spec.compute
+    threads = resolve_num_threads(threads)
 
     scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
-    layout = plan(input, None, axis, resolve_num_threads(threads),
-                  chunked=side_input is None and relu is None,
+    kernel = _one_call(known, threads) if train and count and side_input is None and (
+        relu is None) else None
+    if kernel is not None and (out is None or _dense_in(out, kernel.layout)):
+        assert known is not None
+        with kernels.region(kernel.plan):  # a repeat call: views and one compiled call
+            x = kernel_input(input, known.layout)
+            out_kernel, output = _output_view(out, input, known.layout)
+            mean, var, invstd = kernels.one_call_forward(kernel.plan, x, out_kernel,
+                                                         scale_weight, shift_bias, eps, count,
+                                                         compute)
+            kernels.update_running_stats(running_mean, running_var, mean, var, momentum, count)
+        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), None
+    layout = plan(input, None, axis, threads, chunked=side_input is None and relu is None,
                   layout=None if known is None else known.layout)
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, None, layout.layout))
@@ -349,13 +393,27 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     running = None if train else (running_mean, running_var)
     n_channels = input.shape[axis]
     w = _f64(weight, n_channels, 1.0)
+    threads = resolve_num_threads(threads)
 
     plain = relu is None and relu_bits is None and not grad_side
+    kernel = _one_call(known, threads) if (plain and train and mask[0] and count
+                                            and save_mean is not None) else None
+    if kernel is not None and (out is None or _dense_in(out, kernel.layout)):
+        assert known is not None and save_invstd is not None
+        with kernels.region(kernel.plan):  # a repeat call: views and one compiled call
+            x, dy = kernel_input(input, known.layout), kernel_input(grad_out, known.layout)
+            out_kernel, grad_input = _output_view(out, input, known.layout)
+            invstd = save_invstd.astype(np.float64)
+            sum_dy, sum_dy_xmu = kernels.one_call_backward(
+                kernel.plan, x, dy, out_kernel, save_mean.astype(np.float64), invstd, w, count,
+                spec.compute)
+        return (grad_input, _as_param_dtype(sum_dy_xmu * invstd if mask[1] else None, out_dtype),
+                _as_param_dtype(sum_dy if mask[2] else None, out_dtype), None)
     # A backward with grad_input copies what must be copied into grad_input's buffer
     # (bngrad._layout), but for an out= that may share memory with the ReLU's record (y, or its
     # mask), which must not be written before it is read.
     record = relu if relu is not None else relu_bits
-    layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=plain,
+    layout = plan(input, grad_out, axis, threads, chunked=plain,
                   fusing=train and mask[0], layout=None if known is None else known.layout,
                   grad_in_output=mask[0] and (record is None or out is None
                                               or not np.may_share_memory(out, record)))

@@ -35,7 +35,8 @@ from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, config, for
 __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
            "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
            "copy_rows", "elementwise", "forced_path", "forward_train", "inv_std", "moments",
-           "normalize_coefficients", "override", "plan", "reduce", "reduce_block_rows",
+           "normalize_coefficients", "one_call_backward", "one_call_forward", "override", "plan",
+           "reduce", "reduce_block_rows",
            "train_coefficients", "transpose_last_two", "update_running_stats"]
 
 # Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
@@ -386,19 +387,12 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
     None."""
     if not isinstance(x, np.ndarray):
         return None
-    one_call = plan.one_call and z is None and aux is None  # moments, coefficients, normalize
-    if not one_call and plan.path not in ("fused", "fused_short"):
+    if plan.one_call and z is None and aux is None:  # moments, coefficients, normalize
+        return one_call_forward(plan, x, out, weight, bias, eps, count, dtype)
+    if plan.path not in ("fused", "fused_short"):
         return None
     C = x.shape[1]
     coef = np.empty((4, C), dtype=dtype)
-    if one_call:
-        stats = np.empty((3, C))
-        lanes_r, lanes_e = plan.one_call_lanes
-        k.forward_one_call(_lanes(x, lanes_r), _lanes(x, lanes_e), _lanes(out, lanes_e),
-                           np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
-                           float(eps), float(count), plan.one_call_tiles, stats, coef,
-                           _team(plan))
-        return stats[0], stats[1], stats[2]
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
     two_pass = x.dtype == np.float64  # (bngrad.api._moments)
     if plan.path == "fused":  # an item per channel
@@ -413,6 +407,38 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
     return mean, var, invstd
 
 
+def one_call_forward(plan: KernelPlan, x: np.ndarray, out: np.ndarray, weight: np.ndarray,
+                     bias: np.ndarray, eps: float, count: int, dtype: np.dtype
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`forward_train` of a plain call on a ``one_call`` plan (x and out dense arrays):
+    the moments, the coefficients and the normalize pass in one compiled call; returns (mean,
+    biased var, invstd) in float64."""
+    C = x.shape[1]
+    stats = np.empty((3, C))
+    lanes_r, lanes_e = plan.one_call_lanes
+    k.forward_one_call(_lanes(x, lanes_r), _lanes(x, lanes_e), _lanes(out, lanes_e),
+                       np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
+                       float(eps), float(count), plan.one_call_tiles, stats,
+                       np.empty((4, C), dtype=dtype), _team(plan))
+    return stats[0], stats[1], stats[2]
+
+
+def one_call_backward(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, out: np.ndarray,
+                      mean: np.ndarray, invstd: np.ndarray, weight: np.ndarray, count: int,
+                      dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`backward_train` of a plain call on a ``one_call`` plan (x, dy and out dense
+    arrays): the sums, the coefficients and grad_input in one compiled call; returns (sum_dy,
+    sum_dy_xmu) in float64."""
+    C = x.shape[1]
+    sums = np.zeros((2, C))
+    lanes_r, lanes_e = plan.one_call_lanes
+    k.backward_one_call(_lanes(x, lanes_r), _lanes(dy, lanes_r), _lanes(x, lanes_e),
+                        _lanes(dy, lanes_e), _lanes(out, lanes_e), mean, invstd, weight,
+                        float(count), plan.one_call_tiles, sums, np.empty((4, C), dtype=dtype),
+                        _team(plan))
+    return sums[0], sums[1]
+
+
 def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dtype, y=None,
                    aux=None):
     """Training reduce + grad_input (and ``aux``), fused where the plan says so (same bits as
@@ -420,14 +446,7 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
     no fused operands; returns (sum_dy, sum_dy_xmu) in float64."""
     if (plan.one_call and y is None and aux is None and isinstance(x, np.ndarray)
             and isinstance(dy, np.ndarray)):
-        C = x.shape[1]
-        sums = np.zeros((2, C))
-        lanes_r, lanes_e = plan.one_call_lanes
-        k.backward_one_call(_lanes(x, lanes_r), _lanes(dy, lanes_r), _lanes(x, lanes_e),
-                            _lanes(dy, lanes_e), _lanes(out, lanes_e), mean, invstd, weight,
-                            float(count), plan.one_call_tiles, sums,
-                            np.empty((4, C), dtype=dtype), _team(plan))
-        return sums[0], sums[1]
+        return one_call_backward(plan, x, dy, out, mean, invstd, weight, count, dtype)
     if plan.path in ("fused", "fused_short") and isinstance(x, np.ndarray) and isinstance(
             dy, np.ndarray):
         C = x.shape[1]
