@@ -402,12 +402,12 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
         assert known is not None and save_invstd is not None
         with kernels.region(kernel.plan):  # a repeat call: views and one compiled call
             x, dy = kernel_input(input, known.layout), kernel_input(grad_out, known.layout)
-            out_kernel, grad_input = _output_view(out, input, known.layout)
+            out_kernel, result = _output_view(out, input, known.layout)
             invstd = save_invstd.astype(np.float64)
             sum_dy, sum_dy_xmu = kernels.one_call_backward(
                 kernel.plan, x, dy, out_kernel, save_mean.astype(np.float64), invstd, w, count,
                 spec.compute)
-        return (grad_input, _as_param_dtype(sum_dy_xmu * invstd if mask[1] else None, out_dtype),
+        return (result, _as_param_dtype(sum_dy_xmu * invstd if mask[1] else None, out_dtype),
                 _as_param_dtype(sum_dy if mask[2] else None, out_dtype), None)
     # A backward with grad_input copies what must be copied into grad_input's buffer
     # (bngrad._layout), but for an out= that may share memory with the ReLU's record (y, or its
