@@ -198,6 +198,38 @@ def test_second_forward_before_backward():
     assert_close(rv.numpy(), rv2.numpy(), factor=2)
 
 
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("changed", ["input", "weight", "running_var"])
+def test_a_tensor_changed_in_place_before_the_backward_is_refused_as_pytorch_does(train, changed):
+    """The backward reads the forward's NumPy views of the saved tensors; a saved tensor
+    modified in place in between is refused by autograd's version check, as in PyTorch. (The
+    running statistics, which the training backward does not read, are not saved in training:
+    changing them then is no error, where PyTorch refuses it.)"""
+    def run(fn, change: bool):
+        x, w, b, rm, rv = _inputs((4, 3, 5))
+        x.requires_grad_()
+        w.requires_grad_()
+        saved_x = x * 1.0  # the input the batch norm saves (x itself is a leaf)
+        y = fn(saved_x, rm, rv, w, b, train)
+        if change:
+            with torch.no_grad():
+                {"input": saved_x, "weight": w, "running_var": rv}[changed].mul_(2.0)
+        try:
+            y.backward(torch.ones_like(y).cumsum(0))
+        except RuntimeError as exc:
+            assert "modified by an inplace operation" in str(exc)
+            return None
+        return x.grad, w.grad
+
+    refused = run(F.batch_norm, True) is None
+    assert refused
+    if train and changed == "running_var":
+        assert all(torch.equal(a, e) for a, e in zip(run(bt.batch_norm, True),
+                                                       run(bt.batch_norm, False)))
+    else:
+        assert run(bt.batch_norm, True) is None
+
+
 # --- zero-copy conversion ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16],
