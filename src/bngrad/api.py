@@ -7,7 +7,7 @@ on the CPU (see README for where bngrad deliberately does better).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -93,25 +93,18 @@ def _as_param_dtype(values: Optional[Array], dtype: np.dtype) -> Optional[Array]
     return None if values is None else values.astype(dtype)
 
 
-class _OneCall(NamedTuple):
-    plan: kernels.KernelPlan
-    layout: _Layout
-
-
-def _one_call(known: Optional[_calls.Known], threads: int) -> Optional[_OneCall]:
+def _one_call(known: Optional[_calls.Known], threads: int, out: Optional[Array]
+              ) -> Optional[kernels.KernelPlan]:
     """A repeat call's kernel plan where its kernels run as one compiled pass over views of the
-    caller's arrays (``KernelPlan.one_call``, nothing copied), else None. Such a call (a small
-    array: its time is mostly fixed cost, issue 12) skips planning the layout and makes the
-    views itself; the kernels, and so the bits, are those of the general path."""
-    if known is None or known.layout.copied:
+    caller's arrays (``KernelPlan.one_call``, nothing copied, ``out`` absent or dense in the
+    layout's order), else None. Such a call (a small array: its time is mostly fixed cost,
+    issue 12) skips planning the layout and makes the views itself; the kernels, and so the
+    bits, are those of the general path."""
+    if known is None or known.layout.copied or (
+            out is not None and not out.transpose(known.layout.order).flags.c_contiguous):
         return None
     kernel = kernels.plan(_Shape(known.layout.canonical), threads)
-    return _OneCall(kernel, known.layout) if kernel.one_call else None
-
-
-def _dense_in(array: Array, layout: _Layout) -> bool:
-    """Whether ``array`` (input's shape) is dense in ``layout``'s memory order."""
-    return array.transpose(layout.order).flags.c_contiguous
+    return kernel if kernel.one_call else None
 
 
 def _output_view(out: Optional[Array], input: Array, layout: _Layout) -> tuple[Array, Array]:
@@ -241,19 +234,17 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     threads = resolve_num_threads(threads)
 
     scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
-    kernel = _one_call(known, threads) if train and count and side_input is None and (
-        relu is None) else None
-    if kernel is not None and (out is None or _dense_in(out, kernel.layout)):
-        assert known is not None
-        with kernels.region(kernel.plan):  # a repeat call: views and one compiled call
+    plain = side_input is None and relu is None
+    kernel = _one_call(known, threads, out) if plain and train and count else None
+    if kernel is not None and known is not None:  # views and one compiled call
+        with kernels.region(kernel):
             x = kernel_input(input, known.layout)
             out_kernel, output = _output_view(out, input, known.layout)
-            mean, var, invstd = kernels.one_call_forward(kernel.plan, x, out_kernel,
-                                                         scale_weight, shift_bias, eps, count,
-                                                         compute)
+            mean, var, invstd = kernels.one_call_forward(kernel, x, out_kernel, scale_weight,
+                                                         shift_bias, eps, count, compute)
             kernels.update_running_stats(running_mean, running_var, mean, var, momentum, count)
         return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), None
-    layout = plan(input, None, axis, threads, chunked=side_input is None and relu is None,
+    layout = plan(input, None, axis, threads, chunked=plain,
                   layout=None if known is None else known.layout)
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, None, layout.layout))
@@ -396,16 +387,15 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     threads = resolve_num_threads(threads)
 
     plain = relu is None and relu_bits is None and not grad_side
-    kernel = _one_call(known, threads) if (plain and train and mask[0] and count
-                                            and save_mean is not None) else None
-    if kernel is not None and (out is None or _dense_in(out, kernel.layout)):
-        assert known is not None and save_invstd is not None
-        with kernels.region(kernel.plan):  # a repeat call: views and one compiled call
+    kernel = _one_call(known, threads, out) if plain and train and mask[0] and count else None
+    if kernel is not None and known is not None and save_mean is not None and (
+            save_invstd is not None):  # views and one compiled call
+        with kernels.region(kernel):
             x, dy = kernel_input(input, known.layout), kernel_input(grad_out, known.layout)
             out_kernel, result = _output_view(out, input, known.layout)
             invstd = save_invstd.astype(np.float64)
             sum_dy, sum_dy_xmu = kernels.one_call_backward(
-                kernel.plan, x, dy, out_kernel, save_mean.astype(np.float64), invstd, w, count,
+                kernel, x, dy, out_kernel, save_mean.astype(np.float64), invstd, w, count,
                 spec.compute)
         return (result, _as_param_dtype(sum_dy_xmu * invstd if mask[1] else None, out_dtype),
                 _as_param_dtype(sum_dy if mask[2] else None, out_dtype), None)
