@@ -535,6 +535,16 @@ def _saved_run(tmp_path) -> dict:
     (lambda d: d["startup"].update(calls=[]), "startup: 'calls' is empty"),
     (lambda d: d["startup"]["warm"].update(first_call_s={}), "no time for the first call 'a'"),
     (lambda d: d["startup"]["cold"].pop("import_s"), "'cold': missing 'import_s'"),
+    # JSON's integers have no bound, and Python's JSON reader takes NaN and Infinity
+    (lambda d: d["cases"][0].update(max_rel_diff_vs_torch=10**400),
+     "'max_rel_diff_vs_torch' must be a finite number, got a number of 401 digits"),
+    (lambda d: d["cases"][0]["timings"]["bngrad"].update(samples_ms=[10**400]),
+     "'samples_ms' must be a finite number"),
+    (lambda d: d["cases"][0]["timings"]["bngrad"].update(samples_ms=[float("nan")]),
+     "'samples_ms' must be a finite number, got nan"),
+    (lambda d: d["cases"][0]["timings"]["torch"].update(samples_ms=[float("inf")]),
+     "'samples_ms' must be a finite number, got inf"),
+    (lambda d: d["cases"][0].update(shape=[10**200, 10**200]), "of at most 2**53 elements"),
 ])
 def test_cli_load_of_an_edited_file_names_the_field(tmp_path, capsys, edit, message):
     """A hand-edited saved run is refused in one line naming the field (was: a traceback from
@@ -551,7 +561,8 @@ def test_cli_load_of_an_edited_file_names_the_field(tmp_path, capsys, edit, mess
     assert message in out
 
 
-@pytest.mark.parametrize("text", ["", "[1, 2]", "{\"suite\": 1", "null"])
+@pytest.mark.parametrize("text", ["", "[1, 2]", "{\"suite\": 1", "null",
+                                  "[" * 100000 + "]" * 100000])  # (RecursionError)
 def test_cli_load_of_what_is_not_a_run_exits_2(tmp_path, capsys, text):
     (tmp_path / "x.json").write_text(text)
     assert cli.main(["bench", "--load", str(tmp_path / "x.json")]) == 2

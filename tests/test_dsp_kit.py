@@ -353,3 +353,25 @@ def test_dsp_check_refuses_a_case_that_leads_out_of_the_suite(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"ERROR   {FEW[0]}" in out and "leads out of the suite" in out
     assert f"PASS    {FEW[1]}" in out
+
+
+def test_dsp_check_names_link_loops_and_outputs_that_lead_out(tmp_path, capsys):
+    """A case folder that is a symbolic link loop is an ERROR (was a traceback), a suite root
+    that is one is unusable input, and an output file linking out of its case is refused as
+    an input file is."""
+    root = suite(tmp_path, FEW[:3])
+    for name in FEW[:3]:
+        for output, file in dsp_suite.OUTPUT_FILES.items():
+            shutil.copy(root / name / f"{output}.bin", root / name / file)
+    shutil.rmtree(root / FEW[0])
+    (root / FEW[0]).symlink_to(FEW[0])  # itself
+    shutil.move(root / FEW[1] / "dx.out.bin", tmp_path / "dx.out.bin")
+    (root / FEW[1] / "dx.out.bin").symlink_to(tmp_path / "dx.out.bin")
+    assert main(["dsp-check", str(root)]) == 2
+    out = capsys.readouterr().out
+    assert f"ERROR   {FEW[0]}" in out and "is a symbolic link loop" in out
+    assert f"ERROR   {FEW[1]}" in out and "is a link that leads outside" in out
+    assert f"PASS    {FEW[2]}" in out
+    (tmp_path / "loop").symlink_to("loop")
+    assert main(["dsp-check", str(tmp_path / "loop")]) == 2
+    assert "unusable input" in capsys.readouterr().err

@@ -386,6 +386,8 @@ def check_case(case_dir: PathLike, show: int = vectors.SHOW) -> CaseResult:
         return CaseResult(root.name, "MISSING", f"no {', '.join(missing)} (run the harness "
                                                 "on this case)")
     try:
+        for name, file in OUTPUT_FILES.items():  # read inside the case, as its vectors are
+            vectors._inside(root, file, name)
         report = vectors.compare(root, files, show=show)
     except (vectors.UnusableInputError, ArgumentValueError, OSError) as e:
         return CaseResult(root.name, "ERROR", str(e))
@@ -402,14 +404,23 @@ def check_suite(suite_dir: PathLike, show: int = vectors.SHOW) -> list[CaseResul
         folder that is a symbolic link out of the suite among them).
     """
     root = Path(suite_dir)
-    inside = root.resolve()
+    names = read_index(root)
+    try:
+        inside = root.resolve()
+    except RuntimeError as e:  # a symbolic link loop (Python 3.11's resolve)
+        raise vectors.UnusableInputError(f"suite: {root}: {e}") from None
     results = []
-    for name in read_index(root):
+    for name in names:
         case = root / name
-        target = case.resolve()
-        if inside not in target.parents:  # a symbolic link out of the suite
-            results.append(CaseResult(name, "ERROR", f"{case} leads out of the suite, to "
-                                                     f"{target}; a case is a folder inside it"))
+        try:
+            target = case.resolve()
+        except RuntimeError:
+            results.append(CaseResult(name, "ERROR", f"{case} is a symbolic link loop"))
+            continue
+        if inside not in target.parents:  # a symbolic link out of the suite, or to it
+            where = "to the suite itself" if target == inside else f"out of the suite, to {target}"
+            results.append(CaseResult(name, "ERROR", f"{case} leads {where}; a case is a "
+                                                     "folder inside the suite"))
         else:
             results.append(check_case(case, show))
     return results

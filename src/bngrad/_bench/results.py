@@ -241,7 +241,11 @@ class SuiteResult:
     @classmethod
     def read_json(cls, path: str) -> SuiteResult:
         with open(path) as f:
-            return cls.from_json(json.load(f))
+            try:
+                data = json.load(f)
+            except RecursionError:
+                raise ValueError("JSON nested too deeply") from None
+        return cls.from_json(data)
 
     def write_json(self, path: str) -> None:
         """Write :meth:`to_json` as strict JSON (a NaN or infinity becomes null)."""
@@ -262,14 +266,16 @@ def _finite(value: Any) -> Any:
 
 def _case_from_json(c: _Fields) -> CaseResult:
     shape = tuple(c.items("shape", int))
-    if len(shape) < 2 or min(shape) < 1:
-        raise ValueError(f"{c.where}: 'shape' must be at least 2 positive sizes, got {shape}")
+    if len(shape) < 2 or min(shape) < 1 or math.prod(shape) > 1 << 53:
+        raise ValueError(f"{c.where}: 'shape' must be at least 2 positive sizes (of at most "
+                         f"2**53 elements in all), got {shape}")
     case = Case(shape, c.choice("dtype", _dtypes.NAMES), c.choice("layout", LAYOUTS),
                 c.choice("op", OPS, default="backward"))
     timings = {}
     for name, t in c.fields("timings").data.items():
         t = _Fields(t, f"{c.where} timing {name!r}")
-        samples = [s / 1e3 for s in t.items("samples_ms", float)]
+        samples = [_finite_number(s, t.where, "samples_ms") / 1e3
+                   for s in t.items("samples_ms", float)]
         if not samples or min(samples) < 0:
             raise ValueError(f"{t.where}: 'samples_ms' must be non-negative numbers, "
                              f"at least one")
@@ -348,9 +354,7 @@ class _Fields:
 
     def number(self, key: str, default: Any = _REQUIRED) -> Any:
         value = self.get(key, (int, float) + ((type(None),) if default is None else ()), default)
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"{self.where}: {key!r} must be finite, got {value!r}")
-        return value
+        return None if value is None else _finite_number(value, self.where, key)
 
     def integer(self, key: str, low: Optional[int] = 1, default: Any = _REQUIRED) -> Any:
         value = self.get(key, (int,) + ((type(None),) if default is None else ()), default)
@@ -364,6 +368,19 @@ class _Fields:
             raise ValueError(f"{self.where}: {key!r} must be one of {', '.join(allowed)}, "
                              f"got {value!r}")
         return value
+
+
+def _finite_number(value: Any, where: str, key: str) -> float:
+    """``value`` (a JSON number) as a finite float; JSON's integers may be too large for one,
+    and Python's JSON reader takes NaN and Infinity."""
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        text = repr(value) if len(repr(value)) <= 20 else f"a number of {len(str(value))} digits"
+        raise ValueError(f"{where}: {key!r} must be a finite number, got {text}")
+    return number
 
 
 _KINDS = {dict: "an object", list: "a list", str: "a string", bool: "true or false",
