@@ -373,7 +373,7 @@ class Refused(nn.Module):
     ("bn-added-to-itself", "output is used 2 times"),
     ("sum-used-twice", "sum is used 2 times"),
     ("inplace-add-into-side", "in-place add"),
-    ("input-written-before-relu", "writes into its input"),
+    ("input-written-before-relu", "writes in place between the batch norm and the ReLU"),
     ("add-of-attribute", "computed from parameters"),
 ])
 def test_refused_patterns_fall_back_with_a_warning(case, message):
@@ -403,7 +403,7 @@ def test_hooks_and_shared_modules_are_not_fused():
     ref = Shared().double()
     seen = []
     ref.hooked.register_forward_hook(lambda m, i, o: seen.append(o.min().item()))
-    with pytest.warns(bt.FusionWarning, match="forward hooks"):
+    with pytest.warns(bt.FusionWarning, match="forward or backward hooks"):
         ours = bt.convert(copy.deepcopy(ref), fuse=True)
     report = ours.bngrad_fusion_report
     assert report.fused == []
@@ -538,3 +538,160 @@ def test_torch_export_of_a_fused_model(mode):
     targets = {str(n.target) for n in exported.graph.nodes}
     assert "bngrad.batch_norm_relu_forward.default" in targets
     _assert_close(exported.module()(x), _fuse(ref)(x), 1e-5, "exported output")
+
+
+# --- what an fx graph would not keep: left untraced (found by hostile testing) ---------------
+
+class _ConvBN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.bn(self.conv(x))
+
+
+class _DefaultArg(_ConvBN):
+    def forward(self, x, mask=None):
+        y = F.relu(self.bn(self.conv(x)))
+        return y if mask is None else y * mask
+
+
+class _NoGrad(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.block = nn.Conv2d(3, 3, 1), _ConvBN()
+
+    def forward(self, x):
+        with torch.no_grad():
+            t = self.frozen(x)
+        return F.relu(self.block(x)) + t
+
+
+class _HookedChild(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _DefaultArg()
+
+    def forward(self, x):
+        return self.block(x) * 2
+
+
+class _Backbone(_ConvBN):
+    def forward(self, x):
+        return F.relu(self.bn(self.conv(x)))
+
+    def features(self, x):
+        return self.forward(x) + 1
+
+
+class _UsesFeatures(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.backbone = _Backbone()
+
+    def forward(self, x):
+        if x.sum() > 0:  # untraceable: the backbone is traced on its own
+            x = x * 2
+        return self.backbone.features(x)
+
+
+class _ReluOutside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.convbn = _ConvBN()
+
+    def forward(self, x):
+        return F.relu(self.convbn(x))
+
+
+@pytest.mark.parametrize("make, why", [
+    (_DefaultArg, "arguments with default values"),
+    (_NoGrad, "uses no_grad"),
+    (_HookedChild, "module block has hooks"),
+    (_UsesFeatures, "methods besides forward (features)"),
+    (_ReluOutside, "in another module's forward than the batch norm's call"),
+])
+def test_what_a_graph_would_not_keep_is_not_traced_or_not_fused(make, why):
+    """A default argument (its `is None` test), a no_grad block, a non-leaf child's hooks and
+    a child's other methods are not in an fx graph; a ReLU outside the module that calls the
+    batch norm would follow that module if it were fused. Each such forward is left as it is
+    (its children traced on their own), with the reason in the report, and the model computes
+    what the original does: outputs, gradients, hooks."""
+    torch.manual_seed(0)
+    ref = make().double()
+    calls = []
+    if make is _HookedChild:
+        ref.block.register_forward_hook(lambda mod, i, o: calls.append("ref"))
+    with pytest.warns(bt.FusionWarning, match=why.split(" (")[0]):
+        ours = bt.convert(copy.deepcopy(ref), fuse=True)
+    if make is _HookedChild:  # (the deepcopy's hook would say "ref" too: one of its own)
+        ours.block._forward_hooks.clear()
+        ours.block.register_forward_hook(lambda mod, i, o: calls.append("ours"))
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    out_ref, x_grad_ref, grads_ref = _forward_backward(ref, x)
+    out, x_grad, grads = _forward_backward(ours, x)
+    _assert_close(out, out_ref, 1e-10, "output")
+    _assert_close(x_grad, x_grad_ref, 1e-10, "grad_input")
+    assert grads.keys() == grads_ref.keys()
+    for name, expected in grads_ref.items():
+        if expected is None:
+            assert grads[name] is None, name  # (no_grad: the frozen conv gets no gradient)
+        else:
+            _assert_close(grads[name], expected, 1e-10, name)
+    if make is _DefaultArg:
+        mask = torch.rand_like(x)
+        _assert_close(ours(x, mask), ref(x, mask), 1e-10, "output with a mask")
+    if make is _HookedChild:
+        assert calls == ["ref", "ours"]  # the converted model's hook ran
+    if make is _ReluOutside:
+        _assert_close(ours.convbn(x), ref.convbn(x), 1e-10, "the child called alone")
+
+
+def test_convert_keeps_every_kind_of_hook():
+    """Hooks with kwargs, full backward hooks, state_dict hooks on a batch norm survive
+    convert (fuse or not) and revert, and the handles taken before convert still remove
+    them (the converted module shares the original's hook dictionaries)."""
+    seen = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        seen.clear()
+        ref = nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3), nn.ReLU()).double()
+        bn = ref[1]
+        handle = bn.register_forward_hook(lambda m, args, kwargs, out: seen.append("fwd"),
+                                          with_kwargs=True)
+        bn.register_full_backward_hook(lambda m, gi, go: seen.append("bwd"))
+        bn.register_state_dict_post_hook(lambda m, sd, prefix, meta: sd.__setitem__(
+            prefix + "extra", torch.zeros(1)))
+        with warnings.catch_warnings():  # (fuse: hooks on the BN, so not fused, said)
+            warnings.simplefilter("ignore", bt.FusionWarning)
+            ours = bt.convert(ref, fuse=fuse)
+        assert "1.extra" in ours.state_dict()
+        x = torch.randn(2, 3, 4, 4, dtype=torch.float64, requires_grad=True)
+        ours(x).sum().backward()
+        assert seen == ["fwd", "bwd"], (fuse, seen)
+        handle.remove()
+        ours(x).sum().backward()
+        assert seen == ["fwd", "bwd", "bwd"], (fuse, seen)
+        back = bt.revert(ours)
+        assert type(back[1]) is nn.BatchNorm2d and "1.extra" in back.state_dict()
+
+
+def test_an_in_place_write_between_through_a_view_is_not_fused():
+    class Alias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm2d(3)
+
+        def forward(self, h, side):
+            out = self.bn(h)
+            h.view(-1).mul_(2)
+            return F.relu(out + side)
+
+    torch.manual_seed(0)
+    ref = Alias().double().eval()
+    with pytest.warns(bt.FusionWarning, match="writes in place between"):
+        ours = bt.convert(copy.deepcopy(ref), fuse=True)
+    h, side = (torch.randn(2, 3, 4, 4, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        _assert_close(ours(h.clone(), side), ref(h.clone(), side), 1e-10, "output")

@@ -21,7 +21,9 @@ graph; ReLU modules stay in the tree, unused.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import operator
+import re
 import warnings
 from typing import Any, Dict, List, Optional, Tuple, Type
 
@@ -33,7 +35,7 @@ from torch import nn
 from .fused import (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d, BatchNormReLU1d,
                     BatchNormReLU2d, BatchNormReLU3d)
 from .modules import (_TO_TORCH, BatchNorm1d, BatchNorm2d, BatchNorm3d,
-                      _BngradModule, _share_state)
+                      _BngradModule, _has_call_hooks, _share_state, _take_hooks)
 
 __all__ = ["FusionReport", "FusionWarning", "fuse_model", "unfuse_model"]
 
@@ -121,9 +123,50 @@ class _Tracer(fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
 
-def _trace(module: nn.Module) -> fx.Graph:
-    """The fx graph of ``module``'s forward; raises when tracing fails or when the graph
-    depends on the training flag (fx would freeze the current mode's branch into the code)."""
+# forward code that an fx graph does not record: grad mode and autocast switched inside it
+_UNRECORDED = re.compile(r"\b(no_grad|enable_grad|set_grad_enabled|inference_mode|autocast)\b")
+
+
+def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
+    """Why an fx graph of ``module``'s forward would not do what the forward does (None: it
+    would): an fx graph keeps the ops only, and replaces the module (``child``: under a
+    parent whose own forward calls it, which may use its other methods)."""
+    params = list(inspect.signature(module.forward).parameters.values())
+    if any(p.default is not inspect.Parameter.empty for p in params):
+        return ("its forward has arguments with default values, which tracing takes as "
+                "given (an `is None` test would be frozen)")
+    if child:
+        own = [name for klass in type(module).__mro__[:-1] if issubclass(klass, nn.Module)
+               and klass.__module__.split(".")[0] != "torch"
+               for name, value in vars(klass).items()
+               if callable(value) and not name.startswith("_") and name != "forward"]
+        if own:
+            return (f"its class has methods besides forward ({', '.join(sorted(set(own)))}), "
+                    "which a traced module would lose")
+    for path, sub in module.named_modules():
+        if sub is not module and _Tracer().is_leaf_module(sub, path):
+            continue  # called as a module by the graph: its hooks and code run as they are
+        if sub is not module and _has_call_hooks(sub):
+            return (f"module {path} has hooks, and tracing puts its ops into the graph, "
+                    "where its hooks do not run")
+        try:
+            source = inspect.getsource(type(sub).forward)
+        except (OSError, TypeError):
+            continue
+        found = _UNRECORDED.search(source)
+        if found:
+            return (f"the forward of {path or 'the module'} uses {found.group(1)}, which an fx "
+                    "graph does not record")
+    return None
+
+
+def _trace(module: nn.Module, child: bool = False) -> fx.Graph:
+    """The fx graph of ``module``'s forward; raises when tracing fails, when the graph
+    depends on the training flag (fx would freeze the current mode's branch into the code),
+    or when it would not do what the forward does (:func:`_untraceable`)."""
+    why = _untraceable(module, child)
+    if why is not None:
+        raise RuntimeError(why)
     modes = {m: m.training for m in module.modules()}
     graph = _Tracer().trace(module)
     try:
@@ -188,7 +231,7 @@ def _relu_kind(node: fx.Node, modules: Dict[str, nn.Module]) -> Optional[str]:
     if node.op == "call_module":
         mod = modules.get(str(node.target))
         if (type(mod) is nn.ReLU and len(node.args) == 1 and not node.kwargs
-                and not mod._forward_hooks and not mod._forward_pre_hooks):
+                and not _has_call_hooks(mod)):
             return f"nn.ReLU(inplace={mod.inplace}) ({node.target})"
         return None
     if node.op == "call_function" and node.target in _RELU_FUNCTIONS:
@@ -217,8 +260,11 @@ def _as_add(node: fx.Node) -> Optional[Tuple[Any, Any, bool]]:
 
 def _mutates(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
     """Whether ``node`` is an in-place op (by PyTorch's trailing-underscore convention, an
-    augmented assignment, ``inplace=True`` or an in-place module) on its first argument."""
-    if node.kwargs.get("inplace") is True:
+    augmented assignment, an item assignment, ``inplace=True``, ``out=`` or an in-place
+    module)."""
+    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
+        return True
+    if node.op == "call_function" and node.target is operator.setitem:
         return True
     if node.op == "call_method":
         name = str(node.target)
@@ -283,14 +329,21 @@ def _match(bn: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Optional[_Match]
                    f"add ({_describe(user)}) + ReLU ({relu_how})"), "", False)
 
 
+def _scope(node: fx.Node) -> Tuple[str, ...]:
+    """The modules whose forward code made ``node``: fx's module stack (a module call's own
+    module left out)."""
+    stack = tuple(node.meta.get("nn_module_stack") or ())
+    return stack[:-1] if node.op == "call_module" else stack
+
+
 def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(root.get_submodule(parent) if parent else root, name, new)
 
 
 def _fused_copy(bn: nn.Module, cls: Type[nn.Module]) -> nn.Module:
-    return _share_state(cls(bn.num_features, bn.eps, bn.momentum, bn.affine,
-                            bn.track_running_stats), bn)
+    return _take_hooks(_share_state(cls(bn.num_features, bn.eps, bn.momentum, bn.affine,
+                                        bn.track_running_stats), bn), bn)
 
 
 def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str,
@@ -312,9 +365,9 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str,
                                    "forward; one module cannot be fused and unfused", False))
             continue
         bn = nodes[0]
-        if bn_module._forward_hooks or bn_module._forward_pre_hooks:
-            report.unfused.append((name, "it has forward hooks, which expect batch norm's "
-                                   "own input and output", True))
+        if _has_call_hooks(bn_module):
+            report.unfused.append((name, "it has forward or backward hooks, which expect "
+                                   "batch norm's own input and output", True))
             continue
         if len(bn.args) != 1 or bn.kwargs or not isinstance(bn.args[0], fx.Node):
             report.unfused.append((name, "it is not called with one positional tensor", False))
@@ -326,16 +379,23 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str,
         if match is None:
             report.unfused.append((name, why, refused))
             continue
+        if len({_scope(n) for n in (bn, match.relu, match.add) if n is not None}) > 1:
+            report.unfused.append((name, "the ReLU or the add is in another module's forward "
+                                   "than the batch norm's call: that module called alone "
+                                   "would apply them", True))
+            continue
         # The fused call runs where the add is (the side input is ready there): nothing in
         # between may write into batch norm's input.
+        # (Any write at all: a view of the input, x.view(-1).mul_(2), is another node.)
         x = bn.args[0]
         end = match.add if match.add is not None else match.relu
         node = bn.next
-        while node is not end and not (x in node.args[:1] and _mutates(node, modules)):
+        while node is not end and not _mutates(node, modules):
             node = node.next
         if node is not end:
-            report.unfused.append((name, f"{_describe(node)} writes into its input between "
-                                   "the batch norm and the ReLU", True))
+            report.unfused.append((name, f"{_describe(node)} writes in place between the "
+                                   "batch norm and the ReLU (into its input, or into a tensor "
+                                   "that may share its memory)", True))
             continue
         relu_cls, add_relu_cls = _FUSED[type(bn_module)]
         if match.kind == "relu":
@@ -371,8 +431,7 @@ def _graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     gm._buffers.clear()
     gm._buffers.update(root._buffers)
     gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
-    for hook_dict in ("_forward_pre_hooks", "_forward_hooks"):
-        getattr(gm, hook_dict).update(getattr(root, hook_dict))
+    _take_hooks(gm, root)
     gm.training = root.training  # not gm.train(): the children keep their own modes
     return gm
 
@@ -387,8 +446,7 @@ def _fuse_sequential(seq: nn.Sequential, prefix: str, report: FusionReport) -> N
     for first, second in zip(names, names[1:]):
         bn, relu = seq._modules[first], seq._modules[second]
         if (type(bn) in _FUSED and type(relu) is nn.ReLU
-                and not (bn._forward_hooks or bn._forward_pre_hooks or relu._forward_hooks
-                         or relu._forward_pre_hooks)):
+                and not (_has_call_hooks(bn) or _has_call_hooks(relu))):
             assert isinstance(relu, nn.ReLU)
             seq._modules[first] = _fused_copy(bn, _FUSED[type(bn)][0])
             seq._modules[second] = _FusedAway(relu.inplace)
@@ -400,7 +458,7 @@ def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport) -> nn.Modul
     if _is_leaf(module):
         return module
     try:
-        graph = _trace(module)
+        graph = _trace(module, child=bool(prefix))
     except Exception as exc:  # any error of user code under tracing: fall back, say why
         report.untraced.append((prefix.rstrip("."), f"{type(exc).__name__}: {exc}"))
         if isinstance(module, nn.Sequential):
@@ -480,11 +538,9 @@ def unfuse_model(module: nn.Module) -> nn.Module:
             if id(mod) not in unfused:
                 left.append(path.rstrip(".") or "<model>")
                 return mod
-            new = _share_state(_UNFUSED[type(mod)](mod.num_features, mod.eps, mod.momentum,
-                                                   mod.affine, mod.track_running_stats), mod)
-            for hook_dict in ("_forward_pre_hooks", "_forward_hooks"):
-                getattr(new, hook_dict).update(getattr(mod, hook_dict))
-            return new
+            return _take_hooks(_share_state(_UNFUSED[type(mod)](
+                mod.num_features, mod.eps, mod.momentum, mod.affine, mod.track_running_stats),
+                mod), mod)
         if isinstance(mod, _FusedAway):  # its batch norm was not a fused one any more
             return nn.ReLU(mod.inplace)
         for name, child in list(mod._modules.items()):

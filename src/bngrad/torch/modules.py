@@ -162,14 +162,35 @@ def _share_state(new: nn.Module, module: nn.Module) -> nn.Module:
     return new
 
 
+# Every kind of hook a module keeps (PyTorch 2.13), with the flags that say how to call them
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+          "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+          "_backward_hooks", "_is_full_backward_hook", "_state_dict_hooks",
+          "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+# those that run when the module is called (forward or backward)
+_CALL_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _take_hooks(new: nn.Module, old: nn.Module) -> nn.Module:
+    """``new`` with ``old``'s hooks of every kind: the same dictionaries, so that the handles
+    a caller holds still remove them (a copy kept only forward hooks, and lost with_kwargs)."""
+    for name in _HOOKS:
+        if name in old.__dict__:
+            setattr(new, name, old.__dict__[name])
+    return new
+
+
+def _has_call_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has hooks that run when it is called (forward or backward)."""
+    return any(getattr(module, name, None) for name in _CALL_HOOKS)
+
+
 def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]]) -> nn.Module:
     new_type = table.get(type(module))
     if new_type is not None:
-        new = _share_state(new_type(module.num_features, module.eps, module.momentum,
-                                    module.affine, module.track_running_stats), module)
-        for hook_dict in ("_forward_pre_hooks", "_forward_hooks"):
-            getattr(new, hook_dict).update(getattr(module, hook_dict))
-        module = new
+        module = _take_hooks(_share_state(new_type(module.num_features, module.eps,
+                                                   module.momentum, module.affine,
+                                                   module.track_running_stats), module), module)
     for name, child in module.named_children():
         module.add_module(name, _swap(child, table))
     return module
