@@ -187,10 +187,11 @@ def test_fused_calls_share_what_is_remembered(variant, layouts):
     assert len(_calls._known) == 2  # the plain calls' signatures served the fused ones
 
 
-@pytest.mark.parametrize("variant", ["float64", "float32", "float16-p32", "bfloat16"])
+@pytest.mark.parametrize("variant, parallel", [
+    *((v, False) for v in ("float64", "float32", "float16-p32", "bfloat16")),
+    ("float32", True), ("bfloat16", True)])  # (a parallel launch: compile time, few dtypes)
 @pytest.mark.parametrize("layouts", [("contig", "contig"), ("chlast", "chlast")],
                          ids=lambda p: "/".join(p))
-@pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_a_repeat_one_call_skips_the_layout_and_keeps_the_bits(variant, layouts, parallel,
                                                                monkeypatch):
     """A repeat training call whose plan runs as one compiled pass (a small array) makes its
