@@ -144,11 +144,12 @@ def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
             return (f"its class has methods besides forward ({', '.join(sorted(set(own)))}), "
                     "which a traced module would lose")
     for path, sub in module.named_modules():
-        if sub is not module and _Tracer().is_leaf_module(sub, path):
-            continue  # called as a module by the graph: its hooks and code run as they are
-        if sub is not module and _has_call_hooks(sub):
-            return (f"module {path} has hooks, and tracing puts its ops into the graph, "
-                    "where its hooks do not run")
+        if sub is not module:
+            if _is_leaf(sub):
+                continue  # called as a module by the graph: its hooks and code run as they are
+            if _has_call_hooks(sub):
+                return (f"module {path} has hooks, and tracing puts its ops into the graph, "
+                        "where its hooks do not run")
         try:
             source = inspect.getsource(type(sub).forward)
         except (OSError, TypeError):
