@@ -380,6 +380,8 @@ def _bad_calls():
         ("relu_mask: expected uint8", TypeError,
          lambda: b(x, x, relu_mask=np.zeros(3, np.int8))),
         ("relu_mask: expected a NumPy array", TypeError, lambda: b(x, x, relu_mask=[1, 2, 3])),
+        ("relu_mask: .* got a masked array", TypeError,
+         lambda: b(x, x, relu_mask=np.ma.array(bits, mask=True))),
         ("output: expected the shape", ValueError, lambda: b(x, x, output=x[:1])),
         ("grad_out", ValueError, lambda: b(x[:1], x, output=x)),
     ]

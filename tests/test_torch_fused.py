@@ -270,3 +270,59 @@ def test_differentiable_backward_gives_the_same_first_derivatives(train, path):
     assert (y2 <= 0).any() and (y2 > 0).any()
     for name, a, e in zip("xwbz", ours, theirs):
         assert_close(a.detach().numpy(), e.numpy(), what=f"grad {name}", factor=2)
+
+
+# --- found by hostile testing: tracers, forward-mode AD, argument checks -----------------------
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_make_fx_in_real_mode_traces_the_ops(fused):
+    """make_fx's default (real-tensor) tracing is a dispatch mode, not a tracer the eager path
+    knew: it must record the custom op, and its graph replay the module's computation (the
+    eager path ran unseen, and the graph returned an uninitialised buffer)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    m = (bt.BatchNormAddReLU2d(3) if fused else bt.BatchNorm2d(3)).eval()
+    m.running_mean.uniform_(-1, 1)
+    z = _t((2, 3, 4, 4), torch.float32, 3)
+    f = (lambda x: m(x, z)) if fused else m
+    graph = make_fx(f)(_t((2, 3, 4, 4), torch.float32, 1))
+    op = "bngrad.batch_norm_relu_forward" if fused else "bngrad.batch_norm_forward"
+    assert op in str(graph.graph)
+    x2 = _t((2, 3, 4, 4), torch.float32, 2)
+    assert torch.equal(graph(x2), f(x2))
+
+
+@pytest.mark.parametrize("form", ["batch_norm", "batch_norm_relu", "add_relu_module",
+                                  "frozen_module"])
+def test_forward_mode_ad_is_refused_not_dropped(form):
+    """bngrad has no forward derivative: a dual input is refused (its tangent was dropped,
+    reading as zero), where no argument requires grad as where one does."""
+    import torch.autograd.forward_ad as fwAD
+    x, z = _t((4, 3, 5)), _t((4, 3, 5), seed=1)
+    module = bt.BatchNormAddReLU1d(3).double()
+    frozen = bt.BatchNorm1d(3).double().requires_grad_(False)
+    call = {"batch_norm": lambda d: bt.batch_norm(d, None, None, training=True),
+            "batch_norm_relu": lambda d: bt.batch_norm_relu(d, None, None, training=True),
+            "add_relu_module": lambda d: module(d, z),
+            "frozen_module": frozen}[form]
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            call(dual)
+        call(x)  # a plain input in the same dual level is fine
+
+
+def test_op_refuses_a_bool_mask():
+    """The op documents the "bits" mask; a bool mask gave first derivatives, then its double
+    backward (which decodes bits) failed with a size mismatch."""
+    dy, x, w, _, _, mean, invstd, bits, *rest = _BACKWARD["train"]
+    with pytest.raises(TypeError, match="relu_mask: expected the forward's \"bits\" mask"):
+        torch.ops.bngrad.batch_norm_relu_backward(dy, x, w, None, None, mean, invstd,
+                                                  torch.ones_like(x, dtype=torch.bool), *rest)
+
+
+def test_add_relu_module_refuses_a_missing_side_input():
+    """As the functional form: no silent BN -> ReLU, and no training step counted."""
+    m = bt.BatchNormAddReLU2d(3)
+    with pytest.raises(TypeError, match="argument 'side_input' must be Tensor, not NoneType"):
+        m(_t((2, 3, 4, 4), torch.float32), None)
+    assert int(m.num_batches_tracked) == 0

@@ -35,14 +35,18 @@ from ._convert import from_numpy, to_numpy, to_numpy_optional, torch_terms
 __all__ = ["applies", "batch_norm"]
 
 
-# A private torch function (present in the pinned 2.13); without it, assume no transform.
+# Private torch functions (present in the pinned 2.13); without them, assume no transform and
+# no dispatch mode.
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
+_dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
 
 
 def applies(input: Tensor) -> bool:
-    """Whether this path may run: a plain tensor, outside any tracer or functorch transform."""
+    """Whether this path may run: a plain tensor, outside any tracer, functorch transform or
+    dispatch mode (make_fx's real-tensor tracing is one: it sees only the custom ops)."""
     return (type(input) is Tensor and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing() and not _functorch_active())
+            and not torch.jit.is_tracing() and not _functorch_active()
+            and not _dispatch_modes())
 
 
 def _as(array, like: Optional[Tensor]):

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from . import _eager
 from . import ops  # noqa: F401  (registers torch.ops.bngrad.*)
@@ -94,6 +95,7 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
         # result (still connected to weight and bias), so let PyTorch give it.
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
+    refuse_forward_ad(input, weight, bias)
     if _eager.applies(input):  # eager mode: straight to the NumPy API (see bngrad.torch._eager)
         return _eager.batch_norm(input, running_mean, running_var, weight, bias, bool(training),
                                  float(momentum), float(eps))
@@ -107,6 +109,20 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
         if running_var is not None:
             running_var.copy_(new_var)
     return output
+
+
+def refuse_forward_ad(*tensors: Optional[Tensor]) -> None:
+    """NotImplementedError for an input with a forward-mode AD tangent: bngrad has no forward
+    derivative (jvp), and a tangent would otherwise be dropped without a word (as PyTorch's
+    custom operators drop it)."""
+    if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open: no tangents (cheap)
+        return
+    for t in tensors:
+        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                "bngrad.torch: forward-mode AD (torch.autograd.forward_ad) is not supported: "
+                "bngrad's batch norm has no forward derivative; use torch.nn.functional's "
+                "batch norm (bngrad.torch.revert(model)) for forward-mode AD")
 
 
 def _verify_batch_size(input: Tensor) -> None:

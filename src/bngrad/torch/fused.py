@@ -165,6 +165,7 @@ def batch_norm_relu_backward(grad_out: Tensor, input: Tensor, weight: Optional[T
                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(grad_input, grad_weight, grad_bias, grad_side_input) of the fused forward, given its
     "bits" relu_mask (ignored for ``activation="none"``); outputs masked off are (0,)."""
+    _check_bits(relu_mask, activation)
     if grad_out.dtype != input.dtype:
         grad_out = grad_out.to(input.dtype)
     grad_input = (torch.empty_like(input) if output_mask[0]
@@ -188,9 +189,17 @@ def batch_norm_relu_backward(grad_out: Tensor, input: Tensor, weight: Optional[T
             ops._vector(grad_bias, param, input.device), grad_side)
 
 
+def _check_bits(relu_mask: Tensor, activation: str) -> None:
+    # (the NumPy API would take a bool mask too, but this op's double backward reads bits)
+    if activation == "relu" and relu_mask.dtype != torch.uint8:
+        raise ArgumentTypeError(f"relu_mask: expected the forward's \"bits\" mask "
+                                f"(torch.uint8), got dtype {relu_mask.dtype}")
+
+
 @batch_norm_relu_backward.register_fake
 def _(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, relu_mask,
       train, eps, output_mask, activation):
+    _check_bits(relu_mask, activation)
     c = input.shape[1]
     param = ops._param_dtype(input, weight, (running_mean, running_var, save_mean, save_invstd))
     return (torch.empty_like(input) if output_mask[0] else input.new_empty((0,)),
@@ -332,6 +341,7 @@ def _fused(input, side_input, running_mean, running_var, weight, bias, training,
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
         y = y if side_input is None else y + side_input
         return F.relu(y) if activation == "relu" else y
+    functional.refuse_forward_ad(input, weight, bias, side_input)
     if _eager.applies(input) and (side_input is None or _eager.applies(side_input)):
         args = (input, weight, bias, side_input, running_mean, running_var, bool(training),
                 float(momentum), float(eps), activation)
@@ -402,6 +412,9 @@ class _ReLU(_FusedBatchNorm):
 
 class _AddReLU(_FusedBatchNorm):
     def forward(self, input: Tensor, side_input: Tensor) -> Tensor:  # type: ignore[override]
+        if not isinstance(side_input, Tensor):  # (None too: that is BatchNormReLU's work)
+            raise TypeError(f"{type(self).__name__}.forward(): argument 'side_input' must be "
+                            f"Tensor, not {type(side_input).__name__}")
         return self._fused_forward(input, side_input)
 
 
