@@ -41,6 +41,8 @@ SHAPES = [
     # short runs (32 <= B < 256): several channel groups, a 4-row tail; several row blocks
     ("shortrun-6x40x7x7", (6, 40, 7, 7), 1, "contig"),
     ("shortrun-262x3x63", (262, 3, 63), 1, "contig"),
+    # runs of 16 in wide rows (C*B >= wide_lanes, few rows): the short kernels, not lanes
+    ("wide-shortrun-3x520x16", (3, 520, 16), 1, "contig"),
     # runs >= 256 with C = 8: fused per channel on 1-2 threads (C >= 4 * threads), two passes
     # on 3-4, which must give the same bits
     ("fused-or-not-5x8x300", (5, 8, 300), 1, "contig"),

@@ -104,6 +104,24 @@ def test_reduce_and_elemt_on_every_path(case, variant):
     assert_close(dx, ref_dx, dx.dtype, "grad_input", scale=scales["grad_input"])
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wide_rows_of_short_runs_take_the_short_kernels(variant, mode):
+    """Runs of ``wide_run``..``short_run`` in rows of at least ``wide_lanes`` lanes take the
+    short kernels where the rows are few (not forced: the plan's own choice), lanes where they
+    are many; either way the reference's results, and the same bits on 1 and 2 threads."""
+    with kernels.override(wide_lanes=16 * 24, serial_elements=0):
+        for shape, path in (((6, 24, 4, 4), "fused_short"), ((65, 24, 4, 4), "lanes")):
+            c = make_case(shape, 1, variant, mode, seed=5)
+            _assert_path(c.input, path)
+            two = check_backward(c, num_threads=2)
+            for a, b in zip(check_backward(c, num_threads=1), two):
+                if a is not None:
+                    assert_bitwise_equal(a, b, f"{shape} backward on 1 and 2 threads")
+            x, w, b, rm, rv = make_forward_case(shape, 1, variant, True, True, seed=6)
+            check_forward(x, w, b, rm, rv, mode != "eval", num_threads=2)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("pair", [("fused", "runs"), ("fused_short", "short")],
                          ids=["runs", "short"])
@@ -216,7 +234,11 @@ def test_l2_cache_size_from_sysfs(tmp_path):
 def test_natural_paths_and_explain():
     """Which shapes reach which path with the default constants (docs/internals.md's map)."""
     expected = {(64, 3): "lanes", (8, 16, 5, 5): "lanes", (8, 16, 7, 7): "fused_short",
-                (8, 3, 7, 7): "short", (2, 64, 16, 16): "fused", (2, 3, 16, 16): "runs"}
+                (8, 3, 7, 7): "short", (2, 64, 16, 16): "fused", (2, 3, 16, 16): "runs",
+                # runs of 16..31 in rows of >= 8192 lanes: short kernels where rows are few
+                (16, 512, 4, 4): "fused_short", (64, 512, 4, 4): "fused_short",
+                (65, 512, 4, 4): "lanes", (16, 511, 4, 4): "lanes", (16, 1024, 3, 5): "lanes",
+                (16, 1024, 2, 8): "fused_short"}
     for shape, path in expected.items():
         _assert_path(np.zeros(shape, np.float32), path)
     text = bngrad.explain(np.zeros((4, 6, 10, 10))[:, :, ::2], num_threads=1)

@@ -4,9 +4,11 @@
 cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with examples):
 
 - ``lanes``: 2-D rows, and channels-first runs shorter than ``short_run`` viewed as rows of
-  ``C*B`` lanes. Narrow channels-last rows are folded (``k`` rows into one, a view; the
+  ``C*B`` lanes (but wide rows of runs of ``wide_run`` or more in few rows: ``short``).
+  Narrow channels-last rows are folded (``k`` rows into one, a view; the
   ``M % k`` leftover rows are a second piece). Lane sums go to their channel in lane order;
-- ``short``: runs of ``short_run..fused_min_run``, an item per group of whole channels;
+- ``short``: runs of ``short_run..fused_min_run`` (and the wide rows above), an item per
+  group of whole channels;
 - ``fused_short``: as ``short``, but the training backward and forward reduce a group of
   channels (about ``fused_group_elements`` elements) and write it while it is in cache, if
   ``C >= fused_channels_per_thread * threads`` and ``A <= fused_short_max_rows``;
@@ -69,7 +71,13 @@ class Config:
     min_reduce_cols: int = 256        # of at least this many lanes, to make this many items
     fold_lanes: int = 4096            # narrower channels-last rows are folded, for reductions
     elemt_lanes: int = 256            # and for elementwise passes
-    short_run: int = 32               # shorter channels-first runs are seen as lanes
+    short_run: int = 32               # shorter channels-first runs are seen as lanes,
+    # but for runs of at least wide_run, wide rows of at least wide_lanes lanes (C*B) and few
+    # rows (A <= fused_short_max_rows) take the short kernels: there the lanes' per-lane work
+    # (sums and coefficients per lane, spread and combined on the calling thread) outweighs
+    # the data (docs/internals.md)
+    wide_run: int = 16
+    wide_lanes: int = 8192
     fused_min_run: int = 256          # shorter runs take the short kernels (fused_short)
     short_group_lanes: int = 1536     # lanes per task of the short kernels
     fused_channels_per_thread: int = 4  # fewer channels per thread leave threads idle: no fusing
@@ -262,12 +270,20 @@ def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bo
     return tuple(pieces)
 
 
+def _runs_as_lanes(cfg: Config, shape: tuple[int, ...]) -> bool:
+    """Whether channels-first ``(A, C, B)`` takes the lanes path (by its shape alone, so
+    that the choice cannot depend on the thread count)."""
+    A, C, B = shape
+    wide = B >= cfg.wide_run and C * B >= cfg.wide_lanes and A <= cfg.fused_short_max_rows
+    return B < cfg.short_run and not wide
+
+
 def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[str]
           ) -> KernelPlan:
     if forced not in (None, "lanes") and len(shape) == 2:
         raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
     serial = _runs_serial(cfg, math.prod(shape), threads)
-    if len(shape) == 2 or forced == "lanes" or (forced is None and shape[2] < cfg.short_run):
+    if len(shape) == 2 or forced == "lanes" or (forced is None and _runs_as_lanes(cfg, shape)):
         reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True, threads)
         elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False, threads)
         if len(reduce_pieces) != 1 or len(elemt_pieces) != 1:
