@@ -170,6 +170,33 @@ def test_span_loops_give_the_run_loops_bits(variant):
         assert_bitwise_equal(runs, span, f"output {i}")
 
 
+@pytest.mark.parametrize("path", ["short", "fused_short"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_short_runs_elementwise_as_lanes_keeps_the_bits(variant, path):
+    """The short kernels write the training grad_input of runs shorter than ``short_run`` (the
+    wide rows that leave the lanes path) as the lanes path writes it: bitwise what their
+    run-by-run loops write (short_run lowered to the run length), in the two-phase backward,
+    the fused ReLU's, and batch_norm_backward_elemt."""
+    c = make_case((5, 6, 20), 1, variant, "train-nostats", layouts=("contig", "contig"), seed=5)
+    results = []
+    for short_run in (20, 32):
+        with kernels.forced_path(path), kernels.override(short_run=short_run):
+            as_lanes = "training elementwise as lanes" in bngrad.explain(c.input, num_threads=2)
+            assert as_lanes == (short_run > 20)
+            y, mean, invstd, bits = bngrad.batch_norm_relu_forward(
+                c.input, c.weight, c.weight, side_input=c.grad_out, num_threads=2)
+            sums = bngrad.batch_norm_backward_reduce(c.grad_out, c.input, mean, invstd,
+                                                     c.weight, num_threads=2)[:2]
+            results.append(
+                bngrad.batch_norm_backward(*c.args(), num_threads=2)
+                + bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
+                                                  mean, invstd, output=y, num_threads=2)
+                + (bngrad.batch_norm_backward_elemt(c.grad_out, c.input, mean, invstd,
+                                                    c.weight, *sums, 5 * 20, num_threads=2),))
+    for i, (runs, lanes) in enumerate(zip(*results)):
+        assert_bitwise_equal(runs, lanes, f"output {i}")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_lane_column_groups_follow_the_threads_without_changing_a_bit(variant):
     """Lane reductions with few row blocks split their lanes into column groups, more of them

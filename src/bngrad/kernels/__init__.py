@@ -360,7 +360,10 @@ def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
             rows = out[r0:r1]
             elementwise(_plan.plan(rows, plan.threads), rows, coef, xr, dyr)
         return
-    if plan.path == "lanes":
+    # lanes; and the training grad_input of the short kernels' runs shorter than short_run
+    # (wide rows) as the lanes path writes it (the same values, the same bits): run by run,
+    # such runs cost more in loop overhead than in arithmetic (1.6x at (64, 512, 16))
+    if plan.path == "lanes" or (plan.elemt_pieces and x is not None and dy is not None):
         for piece in plan.elemt_pieces:
             pout = _piece_rows(out, piece)
             assert pout is not None

@@ -198,6 +198,8 @@ class KernelPlan:
     fused_group: int = 0
     span_loop: bool = False  # fused_short's backward writes a row's span of a group at once
     reduce_pieces: tuple[LanePiece, ...] = ()
+    # (also the short kernels' for runs shorter than short_run, wide rows: their training
+    # grad_input is written as the lanes path writes it, with per-lane coefficients)
     elemt_pieces: tuple[LanePiece, ...] = ()
     # a one-call plan's two pieces (each the whole array) as the one-call passes take them: the
     # lanes of their rows (0: the canonical array as it is), and (spread "repeat", times, rows,
@@ -228,9 +230,10 @@ class KernelPlan:
             fused = (f", fused in {_ceil_div(self.shape[1], self.fused_group)} groups of "
                      f"{self.fused_group}{', span loops' if self.span_loop else ''}"
                      if self.path == "fused_short" else "")
+            lanes = ", training elementwise as lanes" if self.elemt_pieces else ""
             return (f"{head}, {self.blocks} row blocks of {self.rows}, "
                     f"{_ceil_div(self.shape[1], self.group)} groups of {self.group} channels"
-                    f"{fused})")
+                    f"{fused}{lanes})")
         return (f"{head}, tiles of {self.rows} rows x {self.seg} elements, "
                 f"{self.blocks} x {self.segments} per channel)")
 
@@ -304,9 +307,12 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     # groups per thread where there are channels enough (which group cannot change a bit)
     fused_group = max(1, min(cfg.fused_group_elements // max(A * B, 1),
                              _ceil_div(C, cfg.fused_channels_per_thread * threads)))
+    as_lanes = path in ("short", "fused_short") and B < cfg.short_run
     return KernelPlan(path, shape, threads, forced is not None, serial, rows=rows, seg=seg,
                       group=_ceil_div(cfg.short_group_lanes, max(B, 1)),
-                      fused_group=fused_group, span_loop=B < cfg.span_runs_below)
+                      fused_group=fused_group, span_loop=B < cfg.span_runs_below,
+                      elemt_pieces=(_lane_pieces(cfg, shape, cfg.elemt_lanes, False, threads)
+                                    if as_lanes else ()))
 
 
 # Plans by (shape, threads), for the configuration in force: a dict lookup, where an lru_cache
