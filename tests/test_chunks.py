@@ -294,3 +294,15 @@ def test_in_place_gives_the_bits_of_a_separate_out(variant, layouts, mode):
                 assert got[0] is target
                 assert_bitwise_equal(got[0], expected[0], f"out={name}, {threads} threads")
                 target[...] = kept
+
+
+def test_out_the_same_elements_by_other_strides_on_length_one_axes():
+    """The stride of an axis of length 1 is never used: out holding grad_out's very elements
+    in the same order is in place, not a partial overlap (it was refused as one)."""
+    case = make_case((1, 6, 5), variant="float32", mode="train")
+    expected = bngrad.batch_norm_backward(*case.args(), num_threads=1)
+    grad_out = case.grad_out
+    out = np.lib.stride_tricks.as_strided(grad_out, grad_out.shape,
+                                          (12345 * 4,) + grad_out.strides[1:])
+    got = bngrad.batch_norm_backward(*case.args(), num_threads=1, out=out)
+    assert_bitwise_equal(got[0], expected[0], "out=grad_out by other strides")

@@ -11,6 +11,7 @@ import os
 
 import ml_dtypes
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 import pytest
 from tolerances import assert_close, backward_scales
 
@@ -469,6 +470,22 @@ BAD = {
     "dx-partly-over-x": (_dx_shifted_over("x"), ArgumentValueError, "dx: overlaps x"),
     "dscale-is-dbias": (_same_buffer("dscale", "dbias"), ArgumentValueError, "dbias.*dscale"),
     "dbias-is-mean": (_same_buffer("dbias", "mean"), ArgumentValueError, "dbias.*mean"),
+    "dx-over-invar": (_set("invar", lambda b: b["dx"][:6]), ArgumentValueError,
+                      "dx: shares memory with invar"),
+    "dx-over-mean": (_set("mean", lambda b: b["dx"][10:16]), ArgumentValueError,
+                     "dx: shares memory with mean"),
+    # outputs whose elements share memory: each would keep the last value written
+    "dx-stride-0": (_set("dx", lambda b: as_strided(b["dx"], (24,), (0,))), ArgumentValueError,
+                    "dx: its elements overlap"),
+    "dx-rows-overlap": (_set("dx", lambda b: as_strided(b["dx"], (4, 6), (8, 4))),
+                        ArgumentValueError, "dx: its elements overlap"),
+    "dbias-stride-0": (_set("dbias", lambda b: as_strided(b["dbias"], (6,), (0,))),
+                       ArgumentValueError, r"params\[3\] \(dbias\): its elements overlap"),
+    # masked arrays: their masks would be ignored
+    "mean-masked": (_set("mean", lambda b: np.ma.masked_array(b["mean"], mask=True)),
+                    ArgumentTypeError, r"params\[0\] \(mean\): .*masked array"),
+    "x-masked": (_set("x", lambda b: np.ma.masked_array(b["x"])), ArgumentTypeError,
+                 "^x: .*masked array"),
 }
 
 

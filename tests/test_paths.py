@@ -191,6 +191,8 @@ def test_short_runs_elementwise_as_lanes_keeps_the_bits(variant, path):
                 bngrad.batch_norm_backward(*c.args(), num_threads=2)
                 + bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
                                                   mean, invstd, output=y, num_threads=2)
+                + bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
+                                                  mean, invstd, relu_mask=bits, num_threads=2)
                 + (bngrad.batch_norm_backward_elemt(c.grad_out, c.input, mean, invstd,
                                                     c.weight, *sums, 5 * 20, num_threads=2),))
     for i, (runs, lanes) in enumerate(zip(*results)):

@@ -160,3 +160,21 @@ def test_reduce_empty_batch(variant):
     for name, a in (("sum_dy", s_dy), ("sum_dy_xmu", s_dy_xmu), ("grad_weight", gw),
                     ("grad_bias", gb)):
         assert a.shape == (3,) and np.all(a.astype(np.float64) == 0), name
+
+
+def test_elemt_out_may_hold_the_weight():
+    """The coefficients are made before grad_out is copied into ``out`` (a grad_out in another
+    layout than input is), so a weight living in out's memory is read first, as
+    batch_norm_backward reads it; the result was wrong by up to ~5."""
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 3, 5)).astype(F32)
+    dy = np.asfortranarray(rng.standard_normal((4, 3, 5)).astype(F32))  # copied into out
+    mean, invstd = x.mean((0, 2)), (1 / np.sqrt(x.var((0, 2)) + 1e-5)).astype(F32)
+    w = np.array([0.5, 1.5, 2.0], F32)
+    sums = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w)[:2]
+    expected = reference.batch_norm_backward_elemt(dy, x, mean, invstd, w, *sums, 20)
+    out = np.zeros_like(x)
+    weight = out.reshape(-1)[7:10]
+    weight[:] = w
+    got = bngrad.batch_norm_backward_elemt(dy, x, mean, invstd, weight, *sums, 20, out=out)
+    assert_close(got, expected, F32, "grad_input", scale=float(np.abs(expected).max()))

@@ -49,6 +49,12 @@ def describe(value: Any) -> str:
     return f"{type(value).__name__} {text}"
 
 
+def masked_message(name: str) -> str:
+    """Why a masked array is refused: its mask would be dropped, not honoured."""
+    return (f"{name}: expected a NumPy array, got a masked array, whose mask batch norm would "
+            "ignore; pass its .filled(value) or .data to say what the masked elements are")
+
+
 def data_array(name: str, value: Any) -> np.ndarray:
     """A data array (input, grad_out): any array-like of a supported floating dtype, ndim >= 2."""
     if type(value) is np.ndarray:
@@ -60,11 +66,8 @@ def data_array(name: str, value: Any) -> np.ndarray:
             raise ArgumentTypeError(
                 f"{name}: expected a NumPy array, got a torch.Tensor; use bngrad.torch for "
                 "tensors or pass tensor.numpy()")
-        if isinstance(value, np.ma.MaskedArray):  # (its mask would be dropped, not honoured)
-            raise ArgumentTypeError(
-                f"{name}: expected a NumPy array, got a masked array, whose mask batch norm "
-                f"would ignore; pass {name}.filled(value) or {name}.data to say what the masked "
-                "elements are")
+        if isinstance(value, np.ma.MaskedArray):
+            raise ArgumentTypeError(masked_message(name))
         try:
             array = np.asarray(value)
         except ValueError as exc:  # e.g. ragged nested lists
@@ -121,6 +124,8 @@ def _param_array(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndar
         return value  # the allowed dtypes are supported ones: nothing below could refuse it
     if hasattr(value, "__torch_function__"):
         raise ArgumentTypeError(f"{name}: expected a NumPy array, got a torch.Tensor")
+    if isinstance(value, np.ma.MaskedArray):
+        raise ArgumentTypeError(masked_message(name))
     array = np.asarray(value)
     if not _supported(array.dtype):
         raise ArgumentTypeError(
@@ -324,11 +329,16 @@ def count(value: Any) -> float:
             if not all(_is_number(v) for v in items):
                 raise TypeError
             counts = items.astype(np.float64)
+        elif _is_number(value) and isinstance(value, numbers.Integral):
+            counts = np.asarray(float(value))  # (OverflowError beyond float64)
         else:
             counts = np.asarray(value)
             if counts.dtype.kind not in "iuf":  # bool, str, object, complex: not a count
                 raise TypeError
             counts = counts.astype(np.float64)
+    except OverflowError:  # an int beyond float64 (a scalar one arrives as an object array)
+        raise ArgumentValueError(f"count: {expected}, got {describe(value)}, too large for a "
+                                 "float64") from None
     except (TypeError, ValueError):
         raise ArgumentTypeError(f"count: {expected}, got {describe(value)}") from None
     if counts.ndim and (counts < 0).any():
@@ -342,9 +352,35 @@ def count(value: Any) -> float:
 
 
 def same_view(a: np.ndarray, b: np.ndarray) -> bool:
-    """Whether a and b are the very same view of the same memory."""
+    """Whether a and b are the very same view of the same memory: the same elements in the same
+    order (the stride of an axis of length 1 is never used)."""
     return (a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-            and a.strides == b.strides and a.shape == b.shape and a.dtype == b.dtype)
+            and a.shape == b.shape and a.dtype == b.dtype
+            and all(m == n for m, n, size in zip(a.strides, b.strides, a.shape) if size > 1))
+
+
+def overlaps_itself(a: np.ndarray) -> bool:
+    """Whether elements of ``a`` may share memory (a stride of 0, rows that overlap): True
+    unless, axes taken by increasing stride, each stride clears all the elements before it.
+    Exotic interleaved strides that never collide may be called overlapping too."""
+    if a.flags.c_contiguous or a.flags.f_contiguous:  # (the common case, cheaply)
+        return False
+    extent = a.itemsize
+    for stride, size in sorted((abs(s), n) for s, n in zip(a.strides, a.shape) if n > 1):
+        if stride < extent:
+            return True
+        extent += stride * (size - 1)
+    return False
+
+
+def output_overlapping_itself(name: str, value: np.ndarray) -> None:
+    """ArgumentValueError for an output whose elements may share memory (overlaps_itself):
+    each of them would be left with whichever value was written last."""
+    if value.size and overlaps_itself(value):
+        raise ArgumentValueError(
+            f"{name}: its elements overlap in memory (strides {value.strides} for shape "
+            f"{value.shape}), so each would keep whichever value was written last; pass an "
+            "array whose elements are distinct, e.g. a fresh one")
 
 
 def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray],
@@ -368,6 +404,7 @@ def out_array(value: Any, input: np.ndarray, grad_out: Optional[np.ndarray],
             f"out: expected the dtype of input ({input.dtype}), got dtype {value.dtype}")
     if not value.flags.writeable:
         raise ArgumentValueError("out: expected a writable array, got a read-only one")
+    output_overlapping_itself("out", value)
     for name, other in (("input", input), ("grad_out", grad_out), *others.items()):
         if other is not None and np.shares_memory(value, other) and not same_view(value, other):
             in_place = (f"pass {name} itself for an in-place result, or "

@@ -555,12 +555,14 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     out = check.out_array(out, input, grad_out)
     layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True,
                   grad_in_output=True)
+    # the coefficients first: making the output may copy grad_out into ``out``, which may hold
+    # the weight (as batch_norm_backward reads it before writing)
+    coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
+                                      f64["invstd"], _f64(weight, n_channels, 1.0), total,
+                                      _dtypes.compute_dtype(input.dtype))
     with kernels.region(layout.kernel):
         grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         if input.size:
-            coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
-                                              f64["invstd"], _f64(weight, n_channels, 1.0),
-                                              total, _dtypes.compute_dtype(input.dtype))
             kernels.elementwise(layout.kernel, grad_kernel, coef, layout.x, layout.grad)
     return layout.finish_output(grad_input, out)
 

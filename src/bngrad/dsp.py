@@ -36,7 +36,8 @@ from typing import Any, Sequence, Union
 import numpy as np
 
 from . import api
-from ._validate import FLOAT16, FLOAT32, describe, positive_int, same_view
+from ._validate import (FLOAT16, FLOAT32, describe, masked_message, output_overlapping_itself,
+                        positive_int, same_view)
 from .errors import ArgumentTypeError, ArgumentValueError
 
 __all__ = [
@@ -141,6 +142,8 @@ def threads_for_core_mask(core_mask: Any) -> int:
 
 def _buffer(name: str, value: Any, dtypes: tuple[np.dtype, ...], writable: bool) -> np.ndarray:
     """An ndarray of one of ``dtypes`` (writable if asked): what a C pointer argument stands for."""
+    if isinstance(value, np.ma.MaskedArray):
+        raise ArgumentTypeError(masked_message(name))
     if not isinstance(value, np.ndarray):
         hint = "; pass tensor.numpy()" if hasattr(value, "__torch_function__") else ""
         raise ArgumentTypeError(
@@ -194,14 +197,23 @@ def _channel_view(name: str, value: Any, channel: int, dtypes: tuple[np.dtype, .
 
 
 def _check_overlaps(data: dict[str, np.ndarray], channel: dict[str, np.ndarray]) -> None:
-    """dx may be exactly x or dy (in place), never partly; dbias/dscale overlap nothing."""
+    """dx may be exactly x or dy (in place), never partly, nor overlap the statistics;
+    dbias/dscale overlap nothing; no output's elements overlap each other."""
     dx = data["dx"]
+    for label, output in (("dx", dx), ("params[3] (dbias)", channel["dbias"]),
+                          ("params[4] (dscale)", channel["dscale"])):
+        output_overlapping_itself(label, output)
     for name in ("x", "dy"):
         if np.shares_memory(dx, data[name]) and not same_view(dx, data[name]):
             raise ArgumentValueError(
                 f"dx: overlaps {name} partially, so the C library would read {name} values it "
                 f"has already overwritten; pass a separate buffer, or {name} itself for an "
                 "in-place result")
+    for name in ("mean", "invar", "scale"):
+        if np.shares_memory(dx, channel[name]):
+            raise ArgumentValueError(
+                f"dx: shares memory with {name}, so the C library would read {name} values it "
+                "has already overwritten; pass a separate buffer")
     buffers = {**data, **channel}
     for out in ("dbias", "dscale"):
         for name, other in buffers.items():
