@@ -119,7 +119,8 @@ def override(**values: int) -> Iterator[Config]:
 
 @contextlib.contextmanager
 def forced_path(path: str) -> Iterator[None]:
-    """Tests: make every call take ``path`` (not thread-safe); 2-D arrays take only lanes."""
+    """Tests: make every call take ``path`` (not thread-safe); 2-D arrays have only lanes, and
+    a call on one under another forced path raises ValueError."""
     global _forced
     if path not in PATHS:
         raise ValueError(f"unknown kernel path {path!r}; expected one of {PATHS}")
