@@ -109,10 +109,8 @@ def _output_mask(value: Any) -> Tuple[bool, bool, bool, bool]:
 
 def _relu_mask(value: Any, input: Array) -> Array:
     """A ReLU mask in either format; returned as given."""
-    if isinstance(value, np.ma.MaskedArray):  # (its mask would be dropped, not honoured)
-        raise ArgumentTypeError(
-            "relu_mask: expected a NumPy array (the forward's relu_mask), got a masked array, "
-            "whose mask batch norm would ignore; pass relu_mask.data")
+    if isinstance(value, np.ma.MaskedArray):
+        raise ArgumentTypeError(check.masked_message("relu_mask"))
     if not isinstance(value, np.ndarray):
         raise ArgumentTypeError(
             f"relu_mask: expected a NumPy array (the forward's relu_mask), got "
