@@ -132,7 +132,8 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def forked() -> bool:
-    """Whether this process was forked after this module was imported (launches run serially)."""
+    """Whether this process was forked after this module was imported (launches run serially).
+    A child forked before the import cannot be told from a fresh process (docs/torch.md)."""
     return _forked
 
 
