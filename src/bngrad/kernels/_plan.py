@@ -308,12 +308,12 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     # groups per thread where there are channels enough (which group cannot change a bit)
     fused_group = max(1, min(cfg.fused_group_elements // max(A * B, 1),
                              _ceil_div(C, cfg.fused_channels_per_thread * threads)))
-    as_lanes = path in ("short", "fused_short") and B < cfg.short_run
+    elemt_as_lanes = path in ("short", "fused_short") and B < cfg.short_run
     return KernelPlan(path, shape, threads, forced is not None, serial, rows=rows, seg=seg,
                       group=_ceil_div(cfg.short_group_lanes, max(B, 1)),
                       fused_group=fused_group, span_loop=B < cfg.span_runs_below,
                       elemt_pieces=(_lane_pieces(cfg, shape, cfg.elemt_lanes, False, threads)
-                                    if as_lanes else ()))
+                                    if elemt_as_lanes else ()))
 
 
 # Plans by (shape, threads), for the configuration in force: a dict lookup, where an lru_cache
