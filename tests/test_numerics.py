@@ -253,3 +253,32 @@ def test_infinite_data_gives_an_infinite_mean(variant, path, threads):
         assert got[1] == np.inf and got[2] == np.inf and np.isnan(got[5]), got
         np.testing.assert_array_equal(np.isinf(got), np.isinf(t_mean.numpy()))
         np.testing.assert_array_equal(np.isnan(got), np.isnan(t_mean.numpy()))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("path", ["fused", "runs", "fused_short", "short", "lanes", None])
+@pytest.mark.parametrize("n", [7, 16, 60])
+def test_overflowing_squares_give_an_infinite_variance(n, path, threads):
+    """(Found by hostile testing.) Finite float64 data of magnitude ~1e300 whose squares
+    overflow: the variance is inf and save_invstd 0 (the output is the bias), as in the
+    reference and PyTorch; the moments gave inf - inf = NaN for some element counts."""
+    from bngrad import kernels
+
+    shape = (n, 2, 40) if path is not None else (40 * n, 2)
+    x = np.full(shape, 1e300)
+    x[(slice(None), 1) + (slice(None),) * (len(shape) - 2)] = 1.0  # a plain channel beside
+    x[(0, 0) + (0,) * (len(shape) - 2)] = -1e300
+    w, b = np.array([2.0, 1.0]), np.array([0.5, -0.5])
+    forced = kernels.forced_path(path) if path is not None else kernels.override()
+    with forced, kernels.override(serial_elements=0):
+        y, mean, invstd = bngrad.batch_norm_forward(x, w, b, train=True, num_threads=threads)
+        var = bngrad.batch_norm_moments(x, num_threads=threads)[1]
+        grad_w = bngrad.batch_norm_backward(np.ones_like(x), x, w, train=True,
+                                            num_threads=threads)[1]
+    ref_y, _, ref_invstd = reference.batch_norm_forward(x, w, b, train=True)[:3]
+    t_invstd = torch.ops.aten.native_batch_norm(torch.from_numpy(x), None, None, None, None,
+                                                True, 0.1, 1e-5)[2]
+    assert var[0] == np.inf and invstd[0] == 0.0 == ref_invstd[0] == t_invstd[0].item()
+    np.testing.assert_array_equal(y[:, 0], ref_y[:, 0])  # the bias, everywhere
+    assert grad_w[0] == 0.0
+    assert np.isfinite(y).all() and np.isfinite(invstd).all() and np.isfinite(grad_w).all()

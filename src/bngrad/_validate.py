@@ -127,9 +127,12 @@ def _param_array(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndar
     if isinstance(value, np.ma.MaskedArray):
         raise ArgumentTypeError(masked_message(name))
     array = np.asarray(value)
+    # what arrived: an array's dtype, or what NumPy made of a list or a number
+    got = (f"dtype {array.dtype}" if isinstance(value, np.ndarray) else
+           f"a {type(value).__name__} (read as dtype {array.dtype})")
     if not _supported(array.dtype):
         raise ArgumentTypeError(
-            f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}")
+            f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got {got}")
     n_channels = input.shape[axis]
     if array.shape != (n_channels,):
         raise ArgumentValueError(
@@ -139,8 +142,8 @@ def _param_array(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndar
     if array.dtype not in allowed:
         raise ArgumentTypeError(
             f"{name}: expected dtype {' or '.join(str(d) for d in allowed)} for a "
-            f"{input.dtype} input, got dtype {array.dtype}; convert it with "
-            f".astype(input.dtype)")
+            f"{input.dtype} input, got {got}; convert it with "
+            f"np.asarray({name}, input.dtype)")
     return array
 
 
@@ -188,10 +191,11 @@ def running_var(value: Optional[np.ndarray]) -> None:
             return
         c = negative[0]
     raise ArgumentValueError(
-        f"running_var: expected variances >= 0, got {float(value[c]):g} at channel {c}. "
-        "Check the argument order: bngrad.batch_norm_forward takes (input, weight, bias, "
-        "running_mean, running_var), unlike F.batch_norm's (input, running_mean, "
-        "running_var, weight, bias); pass them by keyword to be sure")
+        f"running_var: expected variances >= 0, got {float(value[c]):g} at channel {c}. A "
+        "variance cannot be negative; the usual cause is a bias in its place: bngrad's NumPy "
+        "functions take weight (and bias) before running_mean and running_var, as PyTorch's "
+        "native_batch_norm, where torch.nn.functional.batch_norm and bngrad.torch.batch_norm "
+        "take them after; check the argument order, or pass them by keyword")
 
 
 def save_stats(save_mean: Any, save_invstd: Any) -> tuple[Any, Any]:

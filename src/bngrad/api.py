@@ -164,7 +164,8 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
     ----------
     input : ndarray, ndim >= 2, float64/float32/float16/bfloat16, any strides
     weight, bias : ndarray (C,), optional
-        Affine parameters (None: 1 and 0). Input's dtype, or float32 for half inputs.
+        Affine parameters (None: 1 and 0). Input's dtype; for half inputs also float32 or
+        float64 (each may be either).
     running_mean, running_var : ndarray (C,), optional
         Updated in place in train mode: ``r = (1 - momentum)*r + momentum*stat``, with the
         unbiased variance. Required in eval mode, where they normalise the input.

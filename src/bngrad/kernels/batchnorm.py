@@ -988,6 +988,8 @@ def _finish_moment(c, shift, sum_d, sum_d2, count, mean, var):
     """Channel c of finish_moments, from its scalar sums."""
     mean[c] = shift + sum_d / count
     v = sum_d2 - sum_d * sum_d / count
+    if sum_d2 == np.inf and np.isfinite(sum_d):  # finite data whose squares overflow: inf,
+        v = np.inf  # as the reference's and PyTorch's variance (not inf - inf = NaN)
     var[c] = (0.0 if v < 0.0 else v) / count  # not max(): a NaN must stay NaN, as np.maximum's
 
 

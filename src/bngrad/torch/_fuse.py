@@ -6,20 +6,28 @@ code (``torch.relu(self.bn2(self.conv2(x)) + identity)``, ``out += identity``,
 ``self.relu(out)``), which only a trace of that code sees; a pattern over modules alone
 (``nn.Sequential`` [BN, ReLU] pairs) cannot find a residual add. fx records the ops as a
 graph in which "is the batch norm's output used anywhere else" is a question about a node's
-users, so the safety rules below are exact for the traced code. Where tracing fails (or
-would bake in train/eval-dependent Python control flow), the module is left as it is and its
-children are traced one by one; an untraceable ``nn.Sequential`` still gets its adjacent
-[BatchNorm, ReLU] pairs fused by module pattern.
+users, so the safety rules below are exact for the traced code.
+
+One module at a time: each module that owns a batch norm (its child, or in a ModuleList or
+ModuleDict of its own) has its own forward traced with every submodule a leaf (one call),
+so only the code of the module that calls the batch norm is rewritten, and every other
+module, called alone or hooked later, does what it did. An ``nn.Sequential``'s forward is the
+chain of its children: its adjacent [BatchNorm, ReLU] pairs are fused by module pattern (the
+ReLU's slot holds a pass-through), and it stays an ``nn.Sequential``. Where tracing fails (or
+would bake in train/eval-dependent Python control flow), the module is left as it is.
 
 Layout of the result: the fused module is put at the batch norm's path (so ``state_dict``
 keys, parameter and buffer objects and their order do not change), and a traced module that
-had something fused becomes a :class:`torch.fx.GraphModule` whose children are the original
-child modules (every submodule kept, called or not). The unfused ops are removed from the
-graph; ReLU modules stay in the tree, unused.
+had something fused is replaced, in its parent, by a :class:`torch.fx.GraphModule` whose
+children are the original child modules (every submodule kept, called or not). The unfused
+ops are removed from the graph; ReLU modules stay in the tree, unused. The original module
+object keeps its own children (its batch norms unfused, sharing their state), so it still
+runs as written.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import operator
@@ -90,8 +98,8 @@ class FusionReport:
                  f"{len(self.unfused)} not"]
         lines += [f"  fused     {name or '<model>'}: {how}" for name, how in self.fused]
         lines += [f"  not fused {name or '<model>'}: {why}" for name, why, _ in self.unfused]
-        lines += [f"  not traced {name or '<model>'} (its own forward; children traced "
-                  f"separately): {why}" for name, why in self.untraced]
+        lines += [f"  not traced {name or '<model>'} (the batch norms its own forward calls "
+                  f"are not fused): {why}" for name, why in self.untraced]
         return "\n".join(lines)
 
 
@@ -114,13 +122,11 @@ class _FusedAway(nn.Module):
 
 
 class _Tracer(fx.Tracer):
-    """PyTorch's leaf rule, plus every batch norm (bngrad's live outside torch.nn) and the
-    fallback's placeholder."""
+    """Every submodule a leaf: the graph of the traced module's own forward, each submodule
+    it calls one node (whose code, hooks and attributes then run as they are)."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
-        if isinstance(m, (_BngradModule, _FusedAway, nn.modules.batchnorm._BatchNorm)):
-            return True
-        return super().is_leaf_module(m, module_qualified_name)
+        return True
 
 
 # forward code that an fx graph does not record: grad mode and autocast switched inside it
@@ -143,21 +149,13 @@ def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
         if own:
             return (f"its class has methods besides forward ({', '.join(sorted(set(own)))}), "
                     "which a traced module would lose")
-    for path, sub in module.named_modules():
-        if sub is not module:
-            if _is_leaf(sub):
-                continue  # called as a module by the graph: its hooks and code run as they are
-            if _has_call_hooks(sub):
-                return (f"module {path} has hooks, and tracing puts its ops into the graph, "
-                        "where its hooks do not run")
-        try:
-            source = inspect.getsource(type(sub).forward)
-        except (OSError, TypeError):
-            continue
-        found = _UNRECORDED.search(source)
-        if found:
-            return (f"the forward of {path or 'the module'} uses {found.group(1)}, which an fx "
-                    "graph does not record")
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    found = _UNRECORDED.search(source)
+    if found:
+        return f"its forward uses {found.group(1)}, which an fx graph does not record"
     return None
 
 
@@ -178,8 +176,9 @@ def _trace(module: nn.Module, child: bool = False) -> fx.Graph:
         for m, mode in modes.items():
             m.training = mode
     if graph.python_code("self").src != flipped.python_code("self").src:
-        raise RuntimeError("its forward takes other ops in train and eval mode (Python control "
-                           "flow on self.training), which an fx graph would freeze")
+        raise RuntimeError("its traced ops differ between train and eval mode (control flow on "
+                           "self.training, or a value read from a module that changes with "
+                           "the mode), which an fx graph would freeze")
     return graph
 
 
@@ -300,6 +299,9 @@ def _match(bn: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Optional[_Match]
                           "add alone"), True
         return None, "no ReLU or add follows it", False
     user = users[0]
+    if user.op == "output":
+        return None, ("its output is what the forward returns (a ReLU applied by the caller is "
+                      "not fused: this module, called alone, would apply it)"), False
     relu_how = _relu_kind(user, modules)
     if relu_how:
         return _Match("relu", user, how=f"ReLU ({relu_how})"), "", False
@@ -330,40 +332,49 @@ def _match(bn: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Optional[_Match]
                    f"add ({_describe(user)}) + ReLU ({relu_how})"), "", False)
 
 
-def _scope(node: fx.Node) -> Tuple[str, ...]:
-    """The modules whose forward code made ``node``: fx's module stack (a module call's own
-    module left out)."""
-    stack = tuple(node.meta.get("nn_module_stack") or ())
-    return stack[:-1] if node.op == "call_module" else stack
-
-
-def _set_submodule(root: nn.Module, path: str, new: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, name, new)
-
-
 def _fused_copy(bn: nn.Module, cls: Type[nn.Module]) -> nn.Module:
     return _take_hooks(_share_state(cls(bn.num_features, bn.eps, bn.momentum, bn.affine,
                                         bn.track_running_stats), bn), bn)
 
 
-def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str,
-                report: FusionReport) -> bool:
-    """Rewrite the patterns of ``graph`` (traced from ``root``) in place and put the fused
-    modules into ``root``'s tree; returns whether anything was fused."""
+# Modules without a forward of their own: a batch norm in one belongs to the module that
+# holds the container (its forward calls ``self.bns[i](x)``).
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
+
+
+def _own_batch_norms(module: nn.Module) -> Dict[str, nn.Module]:
+    """bngrad's batch norms that only ``module``'s forward can call, by path: its children,
+    and those in its ModuleList / ModuleDict containers."""
+    found: Dict[str, nn.Module] = {}
+    todo = [("", module)]
+    while todo:
+        prefix, parent = todo.pop()
+        for name, child in parent._modules.items():
+            if type(child) in _FUSED:
+                found[prefix + name] = child
+            elif type(child) in _CONTAINERS:
+                todo.append((f"{prefix}{name}.", child))
+    return found
+
+
+def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, nn.Module],
+                report: FusionReport) -> Dict[str, nn.Module]:
+    """Rewrite the patterns of ``graph`` (traced from ``root``) of the batch norms ``root``
+    owns, in place; returns the fused modules to put at their paths."""
     modules = dict(root.named_modules())
-    calls: Dict[str, List[fx.Node]] = {}
+    calls: Dict[str, List[fx.Node]] = {path: [] for path in owned}
     for node in graph.nodes:
-        if node.op == "call_module" and type(modules.get(node.target)) in _FUSED:
-            calls.setdefault(node.target, []).append(node)
-    fused = False
+        if node.op == "call_module" and node.target in calls:
+            calls[node.target].append(node)
     made: Dict[fx.Node, str] = {}  # the fused calls put into the graph, by module path
+    fused: Dict[str, nn.Module] = {}
     for target, nodes in calls.items():
-        bn_module = modules[target]
+        bn_module = owned[target]
         name = f"{prefix}{target}"
-        if len(nodes) > 1:
+        if len(nodes) != 1:
             report.unfused.append((name, f"the module is called {len(nodes)} times in the "
-                                   "forward; one module cannot be fused and unfused", False))
+                                   "forward; one module cannot be fused and unfused"
+                                   if nodes else "the forward does not call it", False))
             continue
         bn = nodes[0]
         if _has_call_hooks(bn_module):
@@ -379,11 +390,6 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str,
                    "(its other operand)")
         if match is None:
             report.unfused.append((name, why, refused))
-            continue
-        if len({_scope(n) for n in (bn, match.relu, match.add) if n is not None}) > 1:
-            report.unfused.append((name, "the ReLU or the add is in another module's forward "
-                                   "than the batch norm's call: that module called alone "
-                                   "would apply them", True))
             continue
         # The fused call runs where the add is (the side input is ready there): nothing in
         # between may write into batch norm's input.
@@ -402,9 +408,11 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str,
         if match.kind == "relu":
             match.relu.replace_all_uses_with(bn)
             graph.erase_node(match.relu)
-            _set_submodule(root, target, _fused_copy(bn_module, relu_cls))
+            fused[target] = _fused_copy(bn_module, relu_cls)
         else:
             assert match.add is not None
+            add = _as_add(match.add)
+            assert add is not None
             with graph.inserting_before(match.add):
                 new = graph.call_module(target, (x, match.side))
             made[new] = target
@@ -412,21 +420,38 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str,
             graph.erase_node(match.relu)
             graph.erase_node(match.add)
             graph.erase_node(bn)
-            _set_submodule(root, target, _fused_copy(bn_module, add_relu_cls))
+            fused[target] = _fused_copy(bn_module, add_relu_cls)
+            # the add as written: a side input of another dtype or shape (autocast,
+            # broadcasting) runs the ops unfused, as the original code does
+            fused[target].unfused_add = "+=" if add[2] else "+"
         report.fused.append((name, match.how))
-        fused = True
     if fused:
         graph.lint()
     return fused
 
 
-def _graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+def _set_path(root: nn.Module, path: str, new: nn.Module) -> None:
+    """Put ``new`` at ``path`` under ``root``, copying the containers on the way (they are
+    shared with the module ``root`` was made from, whose forward must not see ``new``)."""
+    *parents, name = path.split(".")
+    for part in parents:
+        container = copy.copy(root._modules[part])
+        container._modules = dict(container._modules)
+        root._modules[part] = container
+        root = container
+    root._modules[name] = new
+
+
+def _graph_module(root: nn.Module, graph: fx.Graph, fused: Dict[str, nn.Module]
+                  ) -> fx.GraphModule:
     """A GraphModule running ``graph`` whose children, parameters and buffers are ``root``'s
     own, in ``root``'s order (GraphModule alone would copy only the referenced ones, in call
-    order: keys and parameter order would change)."""
+    order: keys and parameter order would change), with ``fused`` at their paths."""
     gm = fx.GraphModule(root, graph, class_name=type(root).__name__)
     gm._modules.clear()
     gm._modules.update(root._modules)
+    for path, module in fused.items():
+        _set_path(gm, path, module)
     gm._parameters.clear()
     gm._parameters.update(root._parameters)
     gm._buffers.clear()
@@ -437,48 +462,65 @@ def _graph_module(root: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     return gm
 
 
-def _is_leaf(module: nn.Module) -> bool:
-    return _Tracer().is_leaf_module(module, "")
-
-
 def _fuse_sequential(seq: nn.Sequential, prefix: str, report: FusionReport) -> None:
-    """Module-pattern fallback: adjacent [bngrad BatchNorm*d, nn.ReLU] children of ``seq``."""
+    """An ``nn.Sequential``'s forward is its chain: adjacent [bngrad BatchNorm*d, nn.ReLU]
+    children are fused in place (the ReLU's slot then holds a pass-through)."""
     names = list(seq._modules)
-    for first, second in zip(names, names[1:]):
-        bn, relu = seq._modules[first], seq._modules[second]
-        if (type(bn) in _FUSED and type(relu) is nn.ReLU
-                and not (_has_call_hooks(bn) or _has_call_hooks(relu))):
+    for i, first in enumerate(names):
+        bn = seq._modules[first]
+        if type(bn) not in _FUSED:
+            continue
+        relu = seq._modules[names[i + 1]] if i + 1 < len(names) else None
+        name = f"{prefix}{first}"
+        if type(relu) is not nn.ReLU:
+            why = ("it is the last module of its nn.Sequential" if relu is None else
+                   f"followed by module {prefix}{names[i + 1]} ({type(relu).__name__}), not "
+                   "a ReLU")
+            report.unfused.append((name, why, False))
+        elif _has_call_hooks(bn) or _has_call_hooks(relu):
+            report.unfused.append((name, "it or the nn.ReLU after it has forward or backward "
+                                   "hooks", True))
+        else:
             assert isinstance(relu, nn.ReLU)
             seq._modules[first] = _fused_copy(bn, _FUSED[type(bn)][0])
-            seq._modules[second] = _FusedAway(relu.inplace)
-            report.fused.append((f"{prefix}{first}", f"ReLU (nn.ReLU(inplace={relu.inplace}) "
-                                 f"{prefix}{second}, by module pattern in an nn.Sequential)"))
+            seq._modules[names[i + 1]] = _FusedAway(relu.inplace)
+            report.fused.append((name, f"ReLU (nn.ReLU(inplace={relu.inplace}) "
+                                 f"{prefix}{names[i + 1]}, in an nn.Sequential)"))
 
 
-def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport) -> nn.Module:
-    if _is_leaf(module):
-        return module
-    try:
-        graph = _trace(module, child=bool(prefix))
-    except Exception as exc:  # any error of user code under tracing: fall back, say why
-        report.untraced.append((prefix.rstrip("."), f"{type(exc).__name__}: {exc}"))
-        if isinstance(module, nn.Sequential):
-            _fuse_sequential(module, prefix, report)
-        for name, child in list(module.named_children()):
-            new = _fuse_tree(child, f"{prefix}{name}.", report)
+def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport,
+               done: Dict[int, nn.Module]) -> nn.Module:
+    """``module`` with the patterns in its own forward and in its descendants' fused; a
+    module met again (shared) gets what it got the first time."""
+    if id(module) in done:
+        return done[id(module)]
+    for name, child in list(module._modules.items()):
+        if child is not None:
+            new = _fuse_tree(child, f"{prefix}{name}.", report, done)
             if new is not child:
                 module._modules[name] = new
-        return module
-    if not _fuse_graph(module, graph, prefix, report):
-        return module
-    return _graph_module(module, graph)
+    result = module
+    owned = _own_batch_norms(module)
+    if type(module) is nn.Sequential:
+        _fuse_sequential(module, prefix, report)
+    elif owned and type(module) not in _CONTAINERS:
+        try:
+            graph = _trace(module, child=bool(prefix))
+        except Exception as exc:  # any error of user code under tracing: fall back, say why
+            report.untraced.append((prefix.rstrip("."), f"{type(exc).__name__}: {exc}"))
+        else:
+            fused = _fuse_graph(module, graph, prefix, owned, report)
+            if fused:
+                result = _graph_module(module, graph, fused)
+    done[id(module)] = result
+    return result
 
 
 def fuse_model(module: nn.Module) -> nn.Module:
     """The fusion pass of ``convert(module, fuse=True)``, on a model whose batch norms are
     already bngrad's; attaches the report and warns when it needs attention."""
     report = FusionReport()
-    result = _fuse_tree(module, "", report)
+    result = _fuse_tree(module, "", report, {})
     result.__dict__["bngrad_fusion_report"] = report  # a plain attribute, not in state_dict
     if report.needs_attention:
         warnings.warn(str(report), FusionWarning, stacklevel=3)
@@ -501,8 +543,10 @@ def _unfuse_graph(gm: fx.GraphModule) -> List[nn.Module]:
             args = list(node.args) + [node.kwargs[k] for k in ("side_input",) if k in node.kwargs]
             x, side = args[0], args[1]
             node.args, node.kwargs = (x,), {}
+            in_place = getattr(mod, "unfused_add", "+") == "+="
             with graph.inserting_after(node):
-                add = graph.call_function(operator.add, (node, side))
+                add = graph.call_function(operator.iadd if in_place else operator.add,
+                                          (node, side))
             with graph.inserting_after(add):
                 relu = graph.call_function(torch.relu, (add,))
             keep = {add}

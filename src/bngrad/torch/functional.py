@@ -96,6 +96,7 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
     refuse_forward_ad(input, weight, bias)
+    refuse_function_transforms()
     if _eager.applies(input):  # eager mode: straight to the NumPy API (see bngrad.torch._eager)
         return _eager.batch_norm(input, running_mean, running_var, weight, bias, bool(training),
                                  float(momentum), float(eps))
@@ -123,6 +124,30 @@ def refuse_forward_ad(*tensors: Optional[Tensor]) -> None:
                 "bngrad.torch: forward-mode AD (torch.autograd.forward_ad) is not supported: "
                 "bngrad's batch norm has no forward derivative; use torch.nn.functional's "
                 "batch norm (bngrad.torch.revert(model)) for forward-mode AD")
+
+
+_functorch = getattr(torch._C, "_functorch", None)
+# torch.func's differentiating transforms (grad, vjp, jacrev, jacfwd, jvp, hessian, ...); vmap
+# and functionalization run bngrad's layers as they are.
+_DIFFERENTIATING = tuple(getattr(getattr(_functorch, "TransformType", None), name)
+                         for name in ("Grad", "Jvp")
+                         if hasattr(getattr(_functorch, "TransformType", None), name))
+
+
+def refuse_function_transforms() -> None:
+    """NotImplementedError under torch.func's differentiating transforms (``grad``,
+    ``jacrev``, ``jvp``, ...): PyTorch's custom-operator autograd does not run under them, and
+    its own message (about an autograd.Function's ``setup_context``) names neither bngrad nor
+    a way out. ``vmap`` alone works (PyTorch's per-sample fallback)."""
+    if not _eager._functorch_active():
+        return
+    stack = _functorch.get_interpreter_stack() or ()
+    if any(level.key() in _DIFFERENTIATING for level in stack):
+        raise NotImplementedError(
+            "bngrad.torch: torch.func's grad, vjp, jacrev, jacfwd and jvp are not supported by "
+            "bngrad's batch norm (PyTorch's custom operators cannot be differentiated under "
+            "them); use torch.autograd.grad, or torch.nn.functional's batch norm "
+            "(bngrad.torch.revert(model)) for torch.func")
 
 
 def _verify_batch_size(input: Tensor) -> None:

@@ -185,15 +185,24 @@ def _has_call_hooks(module: nn.Module) -> bool:
     return any(getattr(module, name, None) for name in _CALL_HOOKS)
 
 
-def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]]) -> nn.Module:
+def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]],
+          done: Optional[Dict[int, nn.Module]] = None) -> nn.Module:
+    """``module`` with every batch norm of a type in ``table`` replaced (children in place);
+    a module reachable by two names is replaced once, by one new module (``done``)."""
+    done = {} if done is None else done
+    if id(module) in done:
+        return done[id(module)]
     new_type = table.get(type(module))
+    out = module
     if new_type is not None:
-        module = _take_hooks(_share_state(new_type(module.num_features, module.eps,
-                                                   module.momentum, module.affine,
-                                                   module.track_running_stats), module), module)
-    for name, child in module.named_children():
-        module.add_module(name, _swap(child, table))
-    return module
+        out = _take_hooks(_share_state(new_type(module.num_features, module.eps,
+                                                module.momentum, module.affine,
+                                                module.track_running_stats), module), module)
+    done[id(module)] = out
+    for name, child in list(out._modules.items()):
+        if child is not None:
+            out._modules[name] = _swap(child, table, done)
+    return out
 
 
 def _check_module(module: object, fn: str) -> None:
@@ -236,25 +245,28 @@ def convert(module: nn.Module, *, fuse: bool = False) -> nn.Module:
     ``self.relu(out)``), which a pattern over modules cannot see; fx also makes "is this
     output used elsewhere" exact. ReLU as ``nn.ReLU`` (in place or not), ``torch.relu(_)``,
     ``F.relu(_)`` (``inplace=True`` too) and ``Tensor.relu(_)``; the add as ``+``, ``+=``,
-    ``torch.add`` or ``Tensor.add(_)`` without ``alpha``. A module whose forward had
-    something fused becomes a :class:`torch.fx.GraphModule` running the rewritten graph, with
-    the original children (all of them, in order): the fused module sits at the batch norm's
-    path, so ``state_dict`` keys, tensor objects and parameter order do not change (calling
-    that submodule directly now applies the ReLU too). A GraphModule has no methods of the
-    original class other than ``forward``.
+    ``torch.add`` or ``Tensor.add(_)`` without ``alpha``. Each module whose own forward calls
+    a batch norm has that forward traced (every submodule one call) and, where something was
+    fused, becomes a :class:`torch.fx.GraphModule` running the rewritten graph, with the
+    original children (all of them, in order) and the fused module at the batch norm's path,
+    so ``state_dict`` keys, tensor objects and parameter order do not change; every other
+    module keeps its class and code. An ``nn.Sequential`` has its adjacent [BatchNorm, ReLU]
+    children fused in place (the ReLU's slot then holds a pass-through) and stays one. A
+    GraphModule has no methods of the original class other than ``forward``, numbers it read
+    from ``self`` are frozen, calling its fused submodule directly applies the ReLU too, and
+    fx records ``out += x`` as ``out + x`` (docs/torch.md).
 
     Not fused, each for the reason stated: a batch norm whose output (or whose sum) is used
     anywhere besides the ReLU (or the add), one called more than once, one with forward
     hooks, an in-place add that writes into the other operand (``identity.add_(out)``), an
     add of a tensor made from parameters, buffers or constants only (it could broadcast), an
-    in-place write into batch norm's input before the ReLU. The fused module takes a side
-    input of the batch norm's shape and dtype: a sum that broadcasts or promotes a tensor
-    computed from the input is not detected and raises at the first call (use
-    ``fuse=False`` for such a model). Where fx cannot trace a forward (data-dependent control flow,
-    or control flow on ``self.training``, which fx would freeze), that module is kept and its
-    children are traced one by one; an ``nn.Sequential`` that cannot be traced gets its
-    adjacent [BatchNorm, ReLU] children fused by module pattern (the ReLU's slot then holds
-    a pass-through). Everything not fused is still converted to bngrad's batch norm.
+    in-place write into batch norm's input before the ReLU, a batch norm whose output the
+    module returns (the ReLU in the caller's forward). A fused BN→add→ReLU whose side input
+    turns out to have another dtype or shape than the batch norm's output (autocast,
+    broadcasting) runs the three ops unfused for that call. Where fx cannot trace a forward
+    (data-dependent control flow, or control flow on ``self.training``, which fx would
+    freeze), that module is kept as it is, and the batch norms it calls are not fused.
+    Everything not fused is still converted to bngrad's batch norm.
 
     **Report:** the result carries ``bngrad_fusion_report``, a
     :class:`bngrad.torch.FusionReport` listing every batch norm fused (with what) and not

@@ -36,6 +36,7 @@ from ..errors import ArgumentValueError, BngradError
 from ..kernels import inv_std
 from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
+from .fused import _FusedBatchNorm
 from .modules import _BngradModule, _share_state
 
 __all__ = ["SyncBatchNorm", "CollectiveError", "combine_moments"]
@@ -299,14 +300,42 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
         """Replace every BatchNorm*d (PyTorch's or bngrad's) in ``module`` by SyncBatchNorm.
 
         Parameters, buffers (running statistics, ``num_batches_tracked``) and the training flag
-        are shared with / copied from the layers replaced, as ``torch.nn.SyncBatchNorm``'s does.
-        Returns the new layer when ``module`` itself is a batch-norm layer, else ``module``.
+        are shared with / copied from the layers replaced, as ``torch.nn.SyncBatchNorm``'s does;
+        a layer reachable by two names becomes one SyncBatchNorm. Returns the new layer when
+        ``module`` itself is a batch-norm layer, else ``module``.
+
+        Raises
+        ------
+        ArgumentValueError
+            ``module`` holds fused batch norms (``BatchNormReLU2d``, ``BatchNormAddReLU2d``,
+            ..., as ``convert(model, fuse=True)`` makes them): SyncBatchNorm has no fused form,
+            and replacing them would drop their ReLU and add. Convert the unfused model, or
+            ``bngrad.torch.revert(model)`` first. (PyTorch's own
+            ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` replaces them without a word.)
         """
+        fused = [name or "<model>" for name, m in module.named_modules()
+                 if isinstance(m, _FusedBatchNorm)]
+        if fused:
+            raise ArgumentValueError(
+                f"bngrad.torch.SyncBatchNorm.convert_sync_batchnorm: {', '.join(fused)} "
+                f"{'is a fused batch norm' if len(fused) == 1 else 'are fused batch norms'} "
+                "(batch norm + ReLU, from convert(model, fuse=True)), which SyncBatchNorm cannot "
+                "replace without dropping the ReLU; convert the model before fusing it, or "
+                "call bngrad.torch.revert(model) first")
+        return cls._convert(module, process_group, {})
+
+    @classmethod
+    def _convert(cls, module: torch.nn.Module, process_group: Any,
+                 done: dict) -> torch.nn.Module:
+        if id(module) in done:
+            return done[id(module)]
         out = module
         if isinstance(module, _BatchNorm):
             out = _share_state(cls(module.num_features, module.eps, module.momentum,
                                    module.affine, module.track_running_stats, process_group),
                                module)
-        for name, child in module.named_children():
-            out.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        done[id(module)] = out
+        for name, child in list(module._modules.items()):
+            if child is not None:
+                out.add_module(name, cls._convert(child, process_group, done))
         return out
