@@ -43,7 +43,7 @@ from torch import nn
 from .fused import (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d, BatchNormReLU1d,
                     BatchNormReLU2d, BatchNormReLU3d)
 from .modules import (_TO_TORCH, BatchNorm1d, BatchNorm2d, BatchNorm3d,
-                      _BngradModule, _has_call_hooks, _share_state, _take_hooks)
+                      _has_call_hooks, _share_state, _take_hooks)
 
 __all__ = ["FusionReport", "FusionWarning", "fuse_model", "unfuse_model"]
 
