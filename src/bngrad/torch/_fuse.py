@@ -33,7 +33,7 @@ import inspect
 import operator
 import re
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Type
+from typing import Any, Dict, List, Optional, Tuple, Type, cast
 
 import torch
 import torch.fx as fx
@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fused import (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d, BatchNormReLU1d,
-                    BatchNormReLU2d, BatchNormReLU3d)
+                    BatchNormReLU2d, BatchNormReLU3d, _AddReLU)
 from .modules import (_TO_TORCH, BatchNorm1d, BatchNorm2d, BatchNorm3d,
                       _has_call_hooks, _share_state, _take_hooks)
 
@@ -350,6 +350,8 @@ def _own_batch_norms(module: nn.Module) -> Dict[str, nn.Module]:
     while todo:
         prefix, parent = todo.pop()
         for name, child in parent._modules.items():
+            if child is None:
+                continue
             if type(child) in _FUSED:
                 found[prefix + name] = child
             elif type(child) in _CONTAINERS:
@@ -420,10 +422,11 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
             graph.erase_node(match.relu)
             graph.erase_node(match.add)
             graph.erase_node(bn)
-            fused[target] = _fused_copy(bn_module, add_relu_cls)
-            # the add as written: a side input of another dtype or shape (autocast,
+            module = cast(_AddReLU, _fused_copy(bn_module, add_relu_cls))
+            # the add as traced: a side input of another dtype or shape (autocast,
             # broadcasting) runs the ops unfused, as the original code does
-            fused[target].unfused_add = "+=" if add[2] else "+"
+            module.unfused_add = "+=" if add[2] else "+"
+            fused[target] = module
         report.fused.append((name, match.how))
     if fused:
         graph.lint()
@@ -435,8 +438,10 @@ def _set_path(root: nn.Module, path: str, new: nn.Module) -> None:
     shared with the module ``root`` was made from, whose forward must not see ``new``)."""
     *parents, name = path.split(".")
     for part in parents:
-        container = copy.copy(root._modules[part])
-        container._modules = dict(container._modules)
+        shared = root._modules[part]
+        assert shared is not None  # (a path fx called)
+        container = copy.copy(shared)
+        container._modules = dict(shared._modules)
         root._modules[part] = container
         root = container
     root._modules[name] = new

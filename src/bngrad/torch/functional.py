@@ -139,7 +139,7 @@ def refuse_function_transforms() -> None:
     ``jacrev``, ``jvp``, ...): PyTorch's custom-operator autograd does not run under them, and
     its own message (about an autograd.Function's ``setup_context``) names neither bngrad nor
     a way out. ``vmap`` alone works (PyTorch's per-sample fallback)."""
-    if not _eager._functorch_active():
+    if _functorch is None or not _eager._functorch_active():
         return
     stack = _functorch.get_interpreter_stack() or ()
     if any(level.key() in _DIFFERENTIATING for level in stack):
