@@ -1,32 +1,36 @@
 """``convert(model, fuse=True)`` and its inverse: BN→ReLU and BN→add→ReLU in a model's
-forward rewritten into :mod:`bngrad.torch.fused`'s modules, and back.
+forward rewritten into fused calls, and back.
 
 Mechanism: ``torch.fx`` symbolic tracing. The pairs to fuse are mostly written in forward
 code (``torch.relu(self.bn2(self.conv2(x)) + identity)``, ``out += identity``,
 ``self.relu(out)``), which only a trace of that code sees; a pattern over modules alone
 (``nn.Sequential`` [BN, ReLU] pairs) cannot find a residual add. fx records the ops as a
 graph in which "is the batch norm's output used anywhere else" is a question about a node's
-users, so the safety rules below are exact for the traced code.
+users, so the safety rules below are exact for the traced code. Augmented assignments are
+recorded as the in-place ops they are (:class:`_Proxy`).
 
 One module at a time: each module that owns a batch norm (its child, or in a ModuleList or
-ModuleDict of its own) has its own forward traced with every submodule a leaf (one call),
-so only the code of the module that calls the batch norm is rewritten, and every other
-module, called alone or hooked later, does what it did. An ``nn.Sequential``'s forward is the
-chain of its children: its adjacent [BatchNorm, ReLU] pairs are fused by module pattern (the
-ReLU's slot holds a pass-through), and it stays an ``nn.Sequential``. Where tracing fails (or
-would bake in train/eval-dependent Python control flow), the module is left as it is.
+ModuleDict of its own, and reachable by no other path) has its own forward traced with every
+submodule a leaf (one call), so only the code of the module that calls the batch norm is
+rewritten, and every other module, called alone or hooked later, does what it did. Where
+tracing fails (or would bake in train/eval-dependent Python control flow), the module is left
+as it is.
 
-Layout of the result: the fused module is put at the batch norm's path (so ``state_dict``
-keys, parameter and buffer objects and their order do not change), and a traced module that
-had something fused is replaced, in its parent, by a :class:`torch.fx.GraphModule` whose
-children are the original child modules (every submodule kept, called or not). The unfused
-ops are removed from the graph; ReLU modules stay in the tree, unused. The original module
-object keeps its own children (its batch norms unfused, sharing their state), so it still
-runs as written.
+The rewritten graph calls :func:`bn_relu` / :func:`bn_add_relu` with the batch norm and ReLU
+*modules*, which stay in the tree as they were (same paths, classes, state): the call fuses
+where they are still bngrad's batch norm and an unhooked ReLU, and runs them one by one where
+something changed them since (``SyncBatchNorm.convert_sync_batchnorm``, hooks), or where a side
+input has another dtype or shape (autocast, broadcasting). The module is replaced, in its
+parent, by a :class:`torch.fx.GraphModule` with the original's children, parameters, buffers,
+hooks and plain attributes; the original module object keeps running as written. An exact
+``nn.Sequential``'s forward is the chain of its children: one with adjacent [BatchNorm, ReLU]
+children becomes a :class:`_FusedSequential` with the same children (indexing, slicing and
+iteration unchanged), whose forward fuses those pairs.
 """
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import inspect
@@ -40,22 +44,18 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import ArgumentTypeError, ArgumentValueError
 from .fused import (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d, BatchNormReLU1d,
-                    BatchNormReLU2d, BatchNormReLU3d, _AddReLU)
-from .modules import (_TO_TORCH, BatchNorm1d, BatchNorm2d, BatchNorm3d,
-                      _has_call_hooks, _share_state, _take_hooks)
+                    BatchNormReLU2d, BatchNormReLU3d, _fused)
+from .modules import BatchNorm1d, BatchNorm2d, BatchNorm3d, _has_call_hooks, _take_hooks
 
 __all__ = ["FusionReport", "FusionWarning", "fuse_model", "unfuse_model"]
 
-# bngrad's batch norm -> (its BN+ReLU module, its BN+add+ReLU module)
-_FUSED: Dict[Type[nn.Module], Tuple[Type[nn.Module], Type[nn.Module]]] = {
-    BatchNorm1d: (BatchNormReLU1d, BatchNormAddReLU1d),
-    BatchNorm2d: (BatchNormReLU2d, BatchNormAddReLU2d),
-    BatchNorm3d: (BatchNormReLU3d, BatchNormAddReLU3d)}
-# fused module -> PyTorch's batch norm of the same dimension
-_UNFUSED: Dict[Type[nn.Module], Type[nn.Module]] = {
-    f: _TO_TORCH[bn] for bn, pair in _FUSED.items() for f in pair}
-_ADD_RELU = (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d)
+# bngrad's batch norms, which fuse; the fused modules, which revert cannot put back when built
+# into a model's code by hand
+_FUSED = (BatchNorm1d, BatchNorm2d, BatchNorm3d)
+_FUSED_MODULES = (BatchNormReLU1d, BatchNormReLU2d, BatchNormReLU3d, BatchNormAddReLU1d,
+                  BatchNormAddReLU2d, BatchNormAddReLU3d)
 
 _RELU_FUNCTIONS = (torch.relu, torch.relu_, F.relu, F.relu_)
 _ADD_FUNCTIONS = (operator.add, operator.iadd, torch.add)
@@ -103,22 +103,106 @@ class FusionReport:
         return "\n".join(lines)
 
 
-class _FusedAway(nn.Module):
-    """Stands where an ``nn.ReLU`` was in an ``nn.Sequential`` whose batch norm before it now
-    applies the ReLU (the module-pattern fallback); :func:`unfuse_model` puts the ReLU back."""
+# --- what a rewritten forward calls -----------------------------------------------------------
+# The graph ops of a fused pattern take the modules as they are when called: a batch norm that
+# is no longer bngrad's (convert_sync_batchnorm, revert's swap), or that has hooks by then, and
+# a ReLU module with hooks, run as the original ops, so that nothing done to the model after
+# convert makes it compute something else.
 
-    def __init__(self, inplace: bool):
-        super().__init__()
-        self.inplace = inplace
+def _fusable(bn: nn.Module, relu: Optional[nn.Module]) -> bool:
+    return (type(bn) in _FUSED and not _has_call_hooks(bn)
+            and (relu is None or not _has_call_hooks(relu)))
 
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
+
+def _fused_call(bn: Any, input: torch.Tensor, side: Optional[torch.Tensor]) -> torch.Tensor:
+    """``bn``'s forward (its bookkeeping and checks) with the fused ReLU (and add)."""
+    running_mean, running_var, bn_training, factor = bn._step(input)
+    try:
+        return _fused(input, side, running_mean, running_var, bn.weight, bn.bias, bn_training,
+                      factor, bn.eps, "relu")
+    except (ArgumentValueError, ArgumentTypeError) as exc:
+        raise bn._in_module_terms(exc, input) from None
+
+
+def bn_relu(bn: nn.Module, relu: Optional[nn.Module], input: torch.Tensor) -> torch.Tensor:
+    """``relu(bn(input))`` as one fused pass: a rewritten forward's op for BN→ReLU (``relu``:
+    the ``nn.ReLU`` module the code called, None for ``torch.relu`` and its kin)."""
+    if isinstance(input, fx.Proxy):  # under fx tracing (a GraphModule unpickled): one op
+        return input.tracer.create_proxy("call_function", bn_relu, (bn, relu, input), {})
+    if _fusable(bn, relu):
+        return _fused_call(bn, input, None)
+    out = bn(input)
+    return torch.relu(out) if relu is None else relu(out)
+
+
+def bn_add_relu(bn: nn.Module, relu: Optional[nn.Module], input: torch.Tensor,
+                side: torch.Tensor, add: str) -> torch.Tensor:
+    """``relu(bn(input) + side)`` as one fused pass: a rewritten forward's op for BN→add→ReLU
+    (``add``: ``"+"``, or ``"+="`` for an add in place, which keeps batch norm's dtype). A
+    side input of another dtype or shape (autocast's bfloat16 beside a float32 shortcut, a
+    broadcast) runs the three ops unfused, as the code did."""
+    if isinstance(input, fx.Proxy):  # under fx tracing (a GraphModule unpickled): one op
+        return input.tracer.create_proxy("call_function", bn_add_relu,
+                                         (bn, relu, input, side, add), {})
+    if (_fusable(bn, relu) and isinstance(side, torch.Tensor) and isinstance(input, torch.Tensor)
+            and side.dtype == input.dtype and side.shape == input.shape):
+        return _fused_call(bn, input, side)
+    out = bn(input)
+    out = out.add_(side) if add == "+=" else out + side
+    return torch.relu(out) if relu is None else relu(out)
+
+
+_GRAPH_OPS = (bn_relu, bn_add_relu)
+
+
+class _FusedSequential(nn.Sequential):
+    """An ``nn.Sequential`` whose adjacent [bngrad BatchNorm, ``nn.ReLU``] children named in
+    ``fused_pairs`` run as one fused pass (:func:`bn_relu`); its children, indexing, slicing
+    (a plain chain) and iteration are the original's. :func:`unfuse_model` makes it an
+    ``nn.Sequential`` again."""
+
+    fused_pairs: Tuple[Tuple[str, str], ...] = ()  # (batch norm, ReLU) child names
+
+    def forward(self, input: Any) -> Any:
+        items = list(self._modules.items())
+        fused = dict(self.fused_pairs)
+        i = 0
+        while i < len(items):
+            name, module = items[i]
+            after = items[i + 1] if i + 1 < len(items) else None
+            if (after is not None and fused.get(name) == after[0]
+                    and type(after[1]) is nn.ReLU and module is not None):
+                input = bn_relu(module, after[1], input)
+                i += 2
+            else:
+                assert module is not None
+                input = module(input)
+                i += 1
         return input
 
-    def extra_repr(self) -> str:
-        return f"ReLU(inplace={self.inplace}) fused into the batch norm before"
-
     def _get_name(self) -> str:
-        return "bngrad.torch.FusedAway"
+        return "bngrad.torch.FusedSequential"
+
+
+def _as_sequential(module: nn.Sequential, cls: Type[nn.Sequential]) -> nn.Sequential:
+    """A ``cls`` with ``module``'s children (the same objects, in order), hooks and mode."""
+    new = cls(collections.OrderedDict(module._modules))
+    new.training = module.training
+    _take_hooks(new, module)
+    return new
+
+
+class _Proxy(fx.Proxy):
+    """fx's Proxy, recording an augmented assignment as the in-place op it is on a tensor
+    (fx's own records ``out += x`` as ``out = out + x``: a write into a view lost, and under
+    autocast a float32 sum where the original keeps bfloat16)."""
+
+
+for _name, _op in (("__iadd__", operator.iadd), ("__isub__", operator.isub),
+                   ("__imul__", operator.imul), ("__itruediv__", operator.itruediv)):
+    def _in_place(self: fx.Proxy, other: Any, _op: Any = _op) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", _op, (self, other), {})
+    setattr(_Proxy, _name, _in_place)
 
 
 class _Tracer(fx.Tracer):
@@ -127,6 +211,9 @@ class _Tracer(fx.Tracer):
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _Proxy(node, self)
 
 
 # forward code that an fx graph does not record: grad mode and autocast switched inside it
@@ -149,37 +236,54 @@ def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
         if own:
             return (f"its class has methods besides forward ({', '.join(sorted(set(own)))}), "
                     "which a traced module would lose")
+    # forward, and the methods of its class it calls (fx traces through them)
+    functions = [type(module).forward]
     try:
         source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return None
-    found = _UNRECORDED.search(source)
-    if found:
-        return f"its forward uses {found.group(1)}, which an fx graph does not record"
+    for name in sorted(set(re.findall(r"self\.(\w+)\(", source))):
+        method = inspect.getattr_static(type(module), name, None)
+        if inspect.isfunction(method):
+            functions.append(method)
+    for function in functions:
+        try:
+            found = _UNRECORDED.search(inspect.getsource(function))
+        except (OSError, TypeError):
+            continue
+        if found:
+            where = "its forward" if function is functions[0] else f"its {function.__name__}"
+            return f"{where} uses {found.group(1)}, which an fx graph does not record"
     return None
 
 
-def _trace(module: nn.Module, child: bool = False) -> fx.Graph:
-    """The fx graph of ``module``'s forward; raises when tracing fails, when the graph
-    depends on the training flag (fx would freeze the current mode's branch into the code),
-    or when it would not do what the forward does (:func:`_untraceable`)."""
+def _trace(module: nn.Module, child: bool = False) -> Tuple[fx.Graph, nn.Module]:
+    """(the fx graph of ``module``'s forward, the shallow copy traced); raises when tracing
+    fails, when the graph depends on the training flag (fx would freeze the current mode's
+    branch into the code), or when it would not do what the forward does
+    (:func:`_untraceable`). A copy is traced, so that the tensor constants fx makes stay off
+    ``module``."""
     why = _untraceable(module, child)
     if why is not None:
         raise RuntimeError(why)
-    modes = {m: m.training for m in module.modules()}
-    graph = _Tracer().trace(module)
+    traced = copy.copy(module)  # (its children, parameters and buffers are module's)
+    modes = {m: m.training for m in traced.modules()}
+    graph = _Tracer().trace(traced)
     try:
         for m in modes:
             m.training = not modes[m]
-        flipped = _Tracer().trace(module)
+        flipped = _Tracer().trace(copy.copy(traced))
     finally:
         for m, mode in modes.items():
             m.training = mode
-    if graph.python_code("self").src != flipped.python_code("self").src:
+
+    def code(g: fx.Graph) -> str:  # (the constants of each trace are numbered apart)
+        return re.sub(r"_tensor_constant\d+", "_tensor_constant", g.python_code("self").src)
+    if code(graph) != code(flipped):
         raise RuntimeError("its traced ops differ between train and eval mode (control flow on "
                            "self.training, or a value read from a module that changes with "
                            "the mode), which an fx graph would freeze")
-    return graph
+    return graph, traced
 
 
 def _uses(node: fx.Node) -> int:
@@ -332,44 +436,72 @@ def _match(bn: fx.Node, modules: Dict[str, nn.Module]) -> Tuple[Optional[_Match]
                    f"add ({_describe(user)}) + ReLU ({relu_how})"), "", False)
 
 
-def _fused_copy(bn: nn.Module, cls: Type[nn.Module]) -> nn.Module:
-    return _take_hooks(_share_state(cls(bn.num_features, bn.eps, bn.momentum, bn.affine,
-                                        bn.track_running_stats), bn), bn)
-
-
 # Modules without a forward of their own: a batch norm in one belongs to the module that
 # holds the container (its forward calls ``self.bns[i](x)``).
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
-def _own_batch_norms(module: nn.Module) -> Dict[str, nn.Module]:
+def _own_batch_norms(module: nn.Module, prefix: str, paths: Dict[int, List[str]],
+                     report: FusionReport) -> Dict[str, nn.Module]:
     """bngrad's batch norms that only ``module``'s forward can call, by path: its children,
-    and those in its ModuleList / ModuleDict containers."""
+    and those in its ModuleList / ModuleDict containers; a batch norm also reachable by
+    another path (``paths``) is left out, reported: it may be called from elsewhere too."""
     found: Dict[str, nn.Module] = {}
     todo = [("", module)]
     while todo:
-        prefix, parent = todo.pop()
+        at, parent = todo.pop()
         for name, child in parent._modules.items():
             if child is None:
                 continue
             if type(child) in _FUSED:
-                found[prefix + name] = child
+                where = paths[id(child)]
+                if len(where) > 1:
+                    if f"{prefix}{at}{name}" == where[0]:  # (said once)
+                        report.unfused.append((where[0], "the same module is also "
+                                               f"{', '.join(where[1:])}: one module cannot be "
+                                               "fused for one caller and not another", False))
+                    continue
+                found[at + name] = child
             elif type(child) in _CONTAINERS:
-                todo.append((f"{prefix}{name}.", child))
+                todo.append((f"{at}{name}.", child))
     return found
 
 
+def _pure(module: Optional[nn.Module]) -> bool:
+    """Whether calling ``module`` writes into nothing it is given: PyTorch's own modules but
+    in-place ones (containers of such), and batch norms (their own statistics only)."""
+    if module is None or isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return True
+    if not type(module).__module__.startswith("torch.nn.modules"):
+        return False
+    if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+        return all(_pure(child) for child in module.children())
+    return getattr(module, "inplace", False) is not True
+
+
+def _derived(x: fx.Node) -> set:
+    """The nodes computed from ``x``: all of them may share its memory, for all we know."""
+    seen, todo = {x}, [x]
+    while todo:
+        for user in todo.pop().users:
+            if user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return seen
+
+
 def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, nn.Module],
-                report: FusionReport) -> Dict[str, nn.Module]:
+                report: FusionReport) -> bool:
     """Rewrite the patterns of ``graph`` (traced from ``root``) of the batch norms ``root``
-    owns, in place; returns the fused modules to put at their paths."""
+    owns, in place, into calls of :func:`bn_relu` / :func:`bn_add_relu`; returns whether
+    anything was fused."""
     modules = dict(root.named_modules())
     calls: Dict[str, List[fx.Node]] = {path: [] for path in owned}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in calls:
             calls[node.target].append(node)
     made: Dict[fx.Node, str] = {}  # the fused calls put into the graph, by module path
-    fused: Dict[str, nn.Module] = {}
+    fused = False
     for target, nodes in calls.items():
         bn_module = owned[target]
         name = f"{prefix}{target}"
@@ -393,130 +525,139 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
         if match is None:
             report.unfused.append((name, why, refused))
             continue
-        # The fused call runs where the add is (the side input is ready there): nothing in
-        # between may write into batch norm's input.
-        # (Any write at all: a view of the input, x.view(-1).mul_(2), is another node.)
+        # The fused call runs where the ReLU or the add is (the side input is ready there):
+        # nothing in between may write into batch norm's input. Any in-place op at all (a
+        # view of the input, x.view(-1).mul_(2), is another node), and any module given
+        # something computed from the input that is not known to leave its arguments alone.
         x = bn.args[0]
         end = match.add if match.add is not None else match.relu
+        from_x = _derived(x)
         node = bn.next
-        while node is not end and not _mutates(node, modules):
+        while node is not end and not _mutates(node, modules) and not (
+                node.op == "call_module" and not _pure(modules.get(str(node.target)))
+                and any(a in from_x for a in node.all_input_nodes)):
             node = node.next
         if node is not end:
-            report.unfused.append((name, f"{_describe(node)} writes in place between the "
+            report.unfused.append((name, f"{_describe(node)} may write in place between the "
                                    "batch norm and the ReLU (into its input, or into a tensor "
                                    "that may share its memory)", True))
             continue
-        relu_cls, add_relu_cls = _FUSED[type(bn_module)]
-        if match.kind == "relu":
-            match.relu.replace_all_uses_with(bn)
-            graph.erase_node(match.relu)
-            fused[target] = _fused_copy(bn_module, relu_cls)
-        else:
-            assert match.add is not None
-            add = _as_add(match.add)
-            assert add is not None
-            with graph.inserting_before(match.add):
-                new = graph.call_module(target, (x, match.side))
-            made[new] = target
-            match.relu.replace_all_uses_with(new)
-            graph.erase_node(match.relu)
+        with graph.inserting_before(end):
+            bn_ref = graph.get_attr(target)
+            relu_ref = (graph.get_attr(str(match.relu.target))
+                        if match.relu.op == "call_module" else None)
+            if match.kind == "relu":
+                new = graph.call_function(bn_relu, (bn_ref, relu_ref, x))
+            else:
+                add = _as_add(end)
+                assert add is not None
+                new = graph.call_function(bn_add_relu, (bn_ref, relu_ref, x, match.side,
+                                                        "+=" if add[2] else "+"))
+        made[new] = target
+        match.relu.replace_all_uses_with(new)
+        graph.erase_node(match.relu)
+        if match.add is not None:
             graph.erase_node(match.add)
-            graph.erase_node(bn)
-            module = cast(_AddReLU, _fused_copy(bn_module, add_relu_cls))
-            # the add as traced: a side input of another dtype or shape (autocast,
-            # broadcasting) runs the ops unfused, as the original code does
-            module.unfused_add = "+=" if add[2] else "+"
-            fused[target] = module
+        graph.erase_node(bn)
         report.fused.append((name, match.how))
+        fused = True
     if fused:
         graph.lint()
     return fused
 
 
-def _set_path(root: nn.Module, path: str, new: nn.Module) -> None:
-    """Put ``new`` at ``path`` under ``root``, copying the containers on the way (they are
-    shared with the module ``root`` was made from, whose forward must not see ``new``)."""
-    *parents, name = path.split(".")
-    for part in parents:
-        shared = root._modules[part]
-        assert shared is not None  # (a path fx called)
-        container = copy.copy(shared)
-        container._modules = dict(shared._modules)
-        root._modules[part] = container
-        root = container
-    root._modules[name] = new
-
-
-def _graph_module(root: nn.Module, graph: fx.Graph, fused: Dict[str, nn.Module]
-                  ) -> fx.GraphModule:
-    """A GraphModule running ``graph`` whose children, parameters and buffers are ``root``'s
-    own, in ``root``'s order (GraphModule alone would copy only the referenced ones, in call
-    order: keys and parameter order would change), with ``fused`` at their paths."""
-    gm = fx.GraphModule(root, graph, class_name=type(root).__name__)
+def _graph_module(root: nn.Module, traced: nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule running ``graph`` (traced from ``traced``, a shallow copy of ``root``)
+    whose children, parameters and buffers are ``root``'s own, in ``root``'s order
+    (GraphModule alone would copy only the referenced ones, in call order: keys and parameter
+    order would change), with ``root``'s other attributes for its callers."""
+    gm = fx.GraphModule(traced, graph, class_name=type(root).__name__)
+    # the tensors the graph reads that are not root's state (plain tensor attributes, fx's
+    # constants): plain attributes again, not buffers (state_dict keys stay root's)
+    read = {k: v for k, v in gm._buffers.items()
+            if k not in root._buffers and k not in root._parameters}
     gm._modules.clear()
     gm._modules.update(root._modules)
-    for path, module in fused.items():
-        _set_path(gm, path, module)
     gm._parameters.clear()
     gm._parameters.update(root._parameters)
     gm._buffers.clear()
     gm._buffers.update(root._buffers)
     gm._non_persistent_buffers_set = set(root._non_persistent_buffers_set)
+    for key, value in read.items():
+        gm.__dict__[key] = value
+    # numbers and flags (instance and class attributes) a caller may read, e.g. a block's
+    # stride; the graph's own reads were frozen by the trace
+    own = dict(root.__dict__)
+    for klass in reversed(type(root).__mro__):
+        if issubclass(klass, nn.Module) and klass.__module__.split(".")[0] != "torch":
+            own.update((k, v) for k, v in vars(klass).items() if not callable(v)
+                       and not isinstance(v, (property, staticmethod, classmethod)))
+    for key, value in own.items():
+        if not key.startswith("_") and key not in gm.__dict__ and key != "training":
+            gm.__dict__[key] = value
     _take_hooks(gm, root)
     gm.training = root.training  # not gm.train(): the children keep their own modes
     return gm
 
 
-def _fuse_sequential(seq: nn.Sequential, prefix: str, report: FusionReport) -> None:
+def _fuse_sequential(seq: nn.Sequential, prefix: str, owned: Dict[str, nn.Module],
+                     report: FusionReport) -> nn.Module:
     """An ``nn.Sequential``'s forward is its chain: adjacent [bngrad BatchNorm*d, nn.ReLU]
-    children are fused in place (the ReLU's slot then holds a pass-through)."""
+    children run fused, in a :class:`_FusedSequential` (``seq`` itself is left as it is)."""
     names = list(seq._modules)
+    pairs = []
     for i, first in enumerate(names):
-        bn = seq._modules[first]
-        if type(bn) not in _FUSED:
+        if first not in owned:
             continue
         relu = seq._modules[names[i + 1]] if i + 1 < len(names) else None
         name = f"{prefix}{first}"
         if type(relu) is not nn.ReLU:
-            why = ("it is the last module of its nn.Sequential" if relu is None else
+            why = ("it is the last module of its nn.Sequential" if i + 1 == len(names) else
                    f"followed by module {prefix}{names[i + 1]} ({type(relu).__name__}), not "
                    "a ReLU")
             report.unfused.append((name, why, False))
-        elif _has_call_hooks(bn) or _has_call_hooks(relu):
+        elif _has_call_hooks(owned[first]) or _has_call_hooks(relu):
             report.unfused.append((name, "it or the nn.ReLU after it has forward or backward "
                                    "hooks", True))
         else:
             assert isinstance(relu, nn.ReLU)
-            seq._modules[first] = _fused_copy(bn, _FUSED[type(bn)][0])
-            seq._modules[names[i + 1]] = _FusedAway(relu.inplace)
+            pairs.append((first, names[i + 1]))
             report.fused.append((name, f"ReLU (nn.ReLU(inplace={relu.inplace}) "
                                  f"{prefix}{names[i + 1]}, in an nn.Sequential)"))
+    if not pairs:
+        return seq
+    fused = cast(_FusedSequential, _as_sequential(seq, _FusedSequential))
+    fused.fused_pairs = tuple(pairs)
+    return fused
 
 
 def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport,
-               done: Dict[int, nn.Module]) -> nn.Module:
+               paths: Dict[int, List[str]], done: Dict[int, nn.Module]) -> nn.Module:
     """``module`` with the patterns in its own forward and in its descendants' fused; a
     module met again (shared) gets what it got the first time."""
     if id(module) in done:
         return done[id(module)]
     for name, child in list(module._modules.items()):
         if child is not None:
-            new = _fuse_tree(child, f"{prefix}{name}.", report, done)
+            new = _fuse_tree(child, f"{prefix}{name}.", report, paths, done)
             if new is not child:
                 module._modules[name] = new
     result = module
-    owned = _own_batch_norms(module)
+    owned = _own_batch_norms(module, prefix, paths, report)
     if type(module) is nn.Sequential:
-        _fuse_sequential(module, prefix, report)
+        result = _fuse_sequential(module, prefix, owned, report)
+    elif owned and isinstance(module, nn.Sequential):
+        for path in owned:  # (traced, it would lose its indexing; its class is its own)
+            report.unfused.append((f"{prefix}{path}", f"its nn.Sequential subclass "
+                                   f"{type(module).__name__} is kept as it is", False))
     elif owned and type(module) not in _CONTAINERS:
         try:
-            graph = _trace(module, child=bool(prefix))
+            graph, traced = _trace(module, child=bool(prefix))
         except Exception as exc:  # any error of user code under tracing: fall back, say why
             report.untraced.append((prefix.rstrip("."), f"{type(exc).__name__}: {exc}"))
         else:
-            fused = _fuse_graph(module, graph, prefix, owned, report)
-            if fused:
-                result = _graph_module(module, graph, fused)
+            if _fuse_graph(module, graph, prefix, owned, report):
+                result = _graph_module(module, traced, graph)
     done[id(module)] = result
     return result
 
@@ -525,7 +666,10 @@ def fuse_model(module: nn.Module) -> nn.Module:
     """The fusion pass of ``convert(module, fuse=True)``, on a model whose batch norms are
     already bngrad's; attaches the report and warns when it needs attention."""
     report = FusionReport()
-    result = _fuse_tree(module, "", report, {})
+    paths: Dict[int, List[str]] = collections.defaultdict(list)
+    for path, sub in module.named_modules(remove_duplicate=False):
+        paths[id(sub)].append(path)
+    result = _fuse_tree(module, "", report, paths, {})
     result.__dict__["bngrad_fusion_report"] = report  # a plain attribute, not in state_dict
     if report.needs_attention:
         warnings.warn(str(report), FusionWarning, stacklevel=3)
@@ -534,65 +678,49 @@ def fuse_model(module: nn.Module) -> nn.Module:
 
 # --- revert ----------------------------------------------------------------------------------
 
-def _unfuse_graph(gm: fx.GraphModule) -> List[nn.Module]:
-    """Put ``torch.relu`` (and the add) back after every fused module called in ``gm``'s
-    graph; returns the modules so unfused."""
-    graph, done = gm.graph, []
+def _unfuse_graph(gm: fx.GraphModule) -> None:
+    """Put the batch norm's call, the add and the ReLU back in place of every
+    :func:`bn_relu` / :func:`bn_add_relu` call of ``gm``'s graph."""
+    graph, found = gm.graph, False
     for node in list(graph.nodes):
-        if node.op != "call_module":
+        if node.op != "call_function" or node.target not in _GRAPH_OPS:
             continue
-        mod = gm.get_submodule(str(node.target))
-        if type(mod) not in _UNFUSED:
-            continue
-        if isinstance(mod, _ADD_RELU):
-            args = list(node.args) + [node.kwargs[k] for k in ("side_input",) if k in node.kwargs]
-            x, side = args[0], args[1]
-            node.args, node.kwargs = (x,), {}
-            in_place = getattr(mod, "unfused_add", "+") == "+="
-            with graph.inserting_after(node):
-                add = graph.call_function(operator.iadd if in_place else operator.add,
-                                          (node, side))
-            with graph.inserting_after(add):
-                relu = graph.call_function(torch.relu, (add,))
-            keep = {add}
-        else:
-            with graph.inserting_after(node):
-                relu = graph.call_function(torch.relu, (node,))
-            keep = {relu}
-        node.replace_all_uses_with(relu, delete_user_cb=lambda user, keep=keep: user not in keep)
-        done.append(mod)
-    if done:
+        bn_ref, relu_ref, x = node.args[:3]
+        assert isinstance(bn_ref, fx.Node) and (relu_ref is None or isinstance(relu_ref, fx.Node))
+        with graph.inserting_before(node):
+            out = graph.call_module(str(bn_ref.target), (x,))
+            if node.target is bn_add_relu:
+                side, add = node.args[3], node.args[4]
+                out = graph.call_function(operator.iadd if add == "+=" else operator.add,
+                                          (out, side))
+            relu = (graph.call_function(torch.relu, (out,)) if relu_ref is None
+                    else graph.call_module(str(relu_ref.target), (out,)))
+        node.replace_all_uses_with(relu)
+        graph.erase_node(node)
+        for ref in (bn_ref, relu_ref):
+            if ref is not None and not ref.users:
+                graph.erase_node(ref)
+        found = True
+    if found:
         graph.lint()
         gm.recompile()
-    return done
 
 
 def unfuse_model(module: nn.Module) -> nn.Module:
-    """The fused half of ``revert``: fused modules called in a GraphModule's graph or followed
-    by the fallback's placeholder become PyTorch's batch norm + ReLU (+ add); others are left
-    with a warning (their ReLU cannot be put back into arbitrary forward code)."""
-    unfused: set = set()
+    """The fused half of ``revert``: the fused calls of GraphModules become the batch norm's
+    call, the add and the ReLU again, FusedSequentials nn.Sequentials; fused modules built by
+    hand are left with a warning (their ReLU cannot be put back into arbitrary forward
+    code)."""
     for gm in [m for m in module.modules() if isinstance(m, fx.GraphModule)]:
-        unfused.update(id(m) for m in _unfuse_graph(gm))
-    for seq in [m for m in module.modules() if isinstance(m, nn.Sequential)]:
-        names = list(seq._modules)
-        for first, second in zip(names, names[1:]):
-            away = seq._modules[second]
-            if type(seq._modules[first]) in _UNFUSED and isinstance(away, _FusedAway):
-                unfused.add(id(seq._modules[first]))
-                seq._modules[second] = nn.ReLU(away.inplace)
+        _unfuse_graph(gm)
     left = []
 
     def swap(mod: nn.Module, path: str) -> nn.Module:
-        if type(mod) in _UNFUSED:
-            if id(mod) not in unfused:
-                left.append(path.rstrip(".") or "<model>")
-                return mod
-            return _take_hooks(_share_state(_UNFUSED[type(mod)](
-                mod.num_features, mod.eps, mod.momentum, mod.affine, mod.track_running_stats),
-                mod), mod)
-        if isinstance(mod, _FusedAway):  # its batch norm was not a fused one any more
-            return nn.ReLU(mod.inplace)
+        if type(mod) is _FusedSequential:
+            mod = _as_sequential(mod, nn.Sequential)
+        elif type(mod) in _FUSED_MODULES:
+            left.append(path.rstrip(".") or "<model>")
+            return mod
         for name, child in list(mod._modules.items()):
             if child is not None:
                 mod._modules[name] = swap(child, f"{path}{name}.")
@@ -605,4 +733,3 @@ def unfuse_model(module: nn.Module) -> nn.Module:
     if "bngrad_fusion_report" in module.__dict__:
         del module.__dict__["bngrad_fusion_report"]
     return module
-

@@ -412,21 +412,10 @@ class _ReLU(_FusedBatchNorm):
 
 
 class _AddReLU(_FusedBatchNorm):
-    #: Set by ``convert(model, fuse=True)``: the add this module replaced, ``"+"`` or
-    #: ``"+="``. A side input of another dtype or shape than the input (autocast's bfloat16
-    #: beside a float32 shortcut, a broadcast) then runs batch norm, that add and the ReLU
-    #: unfused, as the code it replaced did; None (built by hand): such a side input is refused.
-    unfused_add: Optional[str] = None
-
     def forward(self, input: Tensor, side_input: Tensor) -> Tensor:  # type: ignore[override]
         if not isinstance(side_input, Tensor):  # (None too: that is BatchNormReLU's work)
             raise TypeError(f"{type(self).__name__}.forward(): argument 'side_input' must be "
                             f"Tensor, not {type(side_input).__name__}")
-        if self.unfused_add is not None and isinstance(input, Tensor) and (
-                side_input.dtype != input.dtype or side_input.shape != input.shape):
-            out = _BngradBatchNorm.forward(self, input)
-            out = out.add_(side_input) if self.unfused_add == "+=" else out + side_input
-            return torch.relu(out)
         return self._fused_forward(input, side_input)
 
 

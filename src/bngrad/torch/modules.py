@@ -220,10 +220,10 @@ def convert(module: nn.Module, *, fuse: bool = False) -> nn.Module:
     module : torch.nn.Module
         The model. Its children are changed in place.
     fuse : bool
-        Also rewrite each batch norm whose output goes only to a ReLU into a
-        :class:`BatchNormReLU2d` (1d/3d), and each whose output goes only to an addition whose
-        sum goes only to a ReLU (a residual block's ``relu(bn2(conv2(x)) + shortcut)``) into a
-        :class:`BatchNormAddReLU2d` (1d/3d). Default False.
+        Also run each batch norm whose output goes only to a ReLU, and each whose output goes
+        only to an addition whose sum goes only to a ReLU (a residual block's
+        ``relu(bn2(conv2(x)) + shortcut)``), as one fused pass (:mod:`bngrad.fused`).
+        Default False.
 
     Returns
     -------
@@ -237,8 +237,8 @@ def convert(module: nn.Module, *, fuse: bool = False) -> nn.Module:
     Parameters and buffers are kept (the same tensor objects), as are the training flag and
     forward hooks: an optimizer built before the conversion still trains the model. Only
     exact instances of PyTorch's three classes are replaced: subclasses, ``SyncBatchNorm``
-    and lazy modules are left alone. Without ``fuse``, works like
-    :meth:`torch.nn.SyncBatchNorm.convert_sync_batchnorm`.
+    and lazy modules are left alone; a module reachable by two names is replaced once.
+    Without ``fuse``, works like :meth:`torch.nn.SyncBatchNorm.convert_sync_batchnorm`.
 
     **Fusion** uses ``torch.fx`` symbolic tracing, because the pairs to fuse are mostly
     written in forward code (``torch.relu(out + identity)``, ``out += identity``,
@@ -247,23 +247,24 @@ def convert(module: nn.Module, *, fuse: bool = False) -> nn.Module:
     ``F.relu(_)`` (``inplace=True`` too) and ``Tensor.relu(_)``; the add as ``+``, ``+=``,
     ``torch.add`` or ``Tensor.add(_)`` without ``alpha``. Each module whose own forward calls
     a batch norm has that forward traced (every submodule one call) and, where something was
-    fused, becomes a :class:`torch.fx.GraphModule` running the rewritten graph, with the
-    original children (all of them, in order) and the fused module at the batch norm's path,
-    so ``state_dict`` keys, tensor objects and parameter order do not change; every other
-    module keeps its class and code. An ``nn.Sequential`` has its adjacent [BatchNorm, ReLU]
-    children fused in place (the ReLU's slot then holds a pass-through) and stays one. A
-    GraphModule has no methods of the original class other than ``forward``, numbers it read
-    from ``self`` are frozen, calling its fused submodule directly applies the ReLU too, and
-    fx records ``out += x`` as ``out + x`` (docs/torch.md).
+    fused, becomes a :class:`torch.fx.GraphModule` whose graph calls one fused op with the
+    batch norm and ReLU modules, which stay in the tree as they were (``state_dict`` keys,
+    tensor objects and parameter order do not change); every other module keeps its class
+    and code. The fused op runs the modules one by one instead where they changed since
+    (hooks, a ``SyncBatchNorm`` in the batch norm's place) or where the side input has
+    another dtype or shape (autocast, broadcasting). An ``nn.Sequential`` with adjacent
+    [BatchNorm, ReLU] children becomes an ``nn.Sequential`` subclass that fuses them (same
+    children, indexing and slicing). A GraphModule has no methods of the original class
+    other than ``forward`` (its plain attributes are copied), and numbers its forward read
+    from ``self`` are frozen (docs/torch.md).
 
     Not fused, each for the reason stated: a batch norm whose output (or whose sum) is used
-    anywhere besides the ReLU (or the add), one called more than once, one with forward
-    hooks, an in-place add that writes into the other operand (``identity.add_(out)``), an
-    add of a tensor made from parameters, buffers or constants only (it could broadcast), an
-    in-place write into batch norm's input before the ReLU, a batch norm whose output the
-    module returns (the ReLU in the caller's forward). A fused BN→add→ReLU whose side input
-    turns out to have another dtype or shape than the batch norm's output (autocast,
-    broadcasting) runs the three ops unfused for that call. Where fx cannot trace a forward
+    anywhere besides the ReLU (or the add), one called more than once or reachable by two
+    paths, one with forward hooks, an in-place add that writes into the other operand
+    (``identity.add_(out)``), an add of a tensor made from parameters, buffers or constants
+    only (it could broadcast), an in-place op or a possibly writing module call between the
+    batch norm and the ReLU, a batch norm whose output the module returns (the ReLU in the
+    caller's forward), one in an ``nn.Sequential`` subclass. Where fx cannot trace a forward
     (data-dependent control flow, or control flow on ``self.training``, which fx would
     freeze), that module is kept as it is, and the batch norms it calls are not fused.
     Everything not fused is still converted to bngrad's batch norm.
@@ -294,13 +295,12 @@ def revert(module: nn.Module) -> nn.Module:
     """Replace every bngrad ``BatchNorm1d/2d/3d`` in ``module`` with PyTorch's, and undo
     ``convert(..., fuse=True)``.
 
-    Fused modules called in a :class:`torch.fx.GraphModule`'s graph become PyTorch's batch
-    norm followed by ``torch.relu`` (and ``operator.add`` of the side input) in the graph;
-    the module-pattern fallback's pass-throughs become ``nn.ReLU`` again. The model stays a
-    GraphModule where ``convert`` made one. Fused modules elsewhere (built by hand into your
-    own forward code) are left as they are, with a :class:`bngrad.torch.FusionWarning`:
-    their ReLU cannot be put back into arbitrary code. Parameters and buffers are kept
-    (the same objects), as by :func:`convert`.
+    The fused calls of a :class:`torch.fx.GraphModule`'s graph become the batch norm's call,
+    the add and the ReLU again, and each ``nn.Sequential`` that ``convert`` made fuse its
+    pairs a plain ``nn.Sequential``. The rewritten modules stay GraphModules. Fused modules
+    built by hand into your own forward code are left as they are, with a
+    :class:`bngrad.torch.FusionWarning`: their ReLU cannot be put back into arbitrary code.
+    Parameters and buffers are kept (the same objects), as by :func:`convert`.
 
     Raises
     ------

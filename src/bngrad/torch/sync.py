@@ -307,11 +307,12 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
         Raises
         ------
         ArgumentValueError
-            ``module`` holds fused batch norms (``BatchNormReLU2d``, ``BatchNormAddReLU2d``,
-            ..., as ``convert(model, fuse=True)`` makes them): SyncBatchNorm has no fused form,
-            and replacing them would drop their ReLU and add. Convert the unfused model, or
-            ``bngrad.torch.revert(model)`` first. (PyTorch's own
-            ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` replaces them without a word.)
+            ``module`` holds fused batch norm modules (``BatchNormReLU2d``,
+            ``BatchNormAddReLU2d``, ...): SyncBatchNorm has no fused form, and replacing them
+            would drop their ReLU and add. (PyTorch's own
+            ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` replaces them without a word.) A
+            model fused by ``convert(model, fuse=True)`` has none: its batch norms convert,
+            and its fused calls run them unfused.
         """
         fused = [name or "<model>" for name, m in module.named_modules()
                  if isinstance(m, _FusedBatchNorm)]
@@ -319,9 +320,10 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
             raise ArgumentValueError(
                 f"bngrad.torch.SyncBatchNorm.convert_sync_batchnorm: {', '.join(fused)} "
                 f"{'is a fused batch norm' if len(fused) == 1 else 'are fused batch norms'} "
-                "(batch norm + ReLU, from convert(model, fuse=True)), which SyncBatchNorm cannot "
-                "replace without dropping the ReLU; convert the model before fusing it, or "
-                "call bngrad.torch.revert(model) first")
+                "(batch norm + ReLU), which SyncBatchNorm cannot replace without dropping the "
+                "ReLU; use bngrad.torch.BatchNorm2d (1d, 3d) and the ReLU there, or "
+                "bngrad.torch.convert(model, fuse=True), whose fused calls keep the batch norm "
+                "modules (not revert(model): it leaves fused modules built by hand)")
         return cls._convert(module, process_group, {})
 
     @classmethod
