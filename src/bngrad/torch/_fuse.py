@@ -109,9 +109,17 @@ class FusionReport:
 # a ReLU module with hooks, run as the original ops, so that nothing done to the model after
 # convert makes it compute something else.
 
+_GLOBAL_HOOKS = tuple(getattr(nn.modules.module, name, {}) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_pre_hooks",
+    "_global_backward_hooks"))
+
+
 def _fusable(bn: nn.Module, relu: Optional[nn.Module]) -> bool:
+    """Whether the modules may run as one fused op: a bngrad batch norm, and no hook, of
+    theirs or global (``register_module_forward_hook``), that expects them one by one."""
     return (type(bn) in _FUSED and not _has_call_hooks(bn)
-            and (relu is None or not _has_call_hooks(relu)))
+            and (relu is None or not _has_call_hooks(relu))
+            and not any(_GLOBAL_HOOKS))
 
 
 def _fused_call(bn: Any, input: torch.Tensor, side: Optional[torch.Tensor]) -> torch.Tensor:
@@ -144,12 +152,19 @@ def bn_add_relu(bn: nn.Module, relu: Optional[nn.Module], input: torch.Tensor,
     if isinstance(input, fx.Proxy):  # under fx tracing (a GraphModule unpickled): one op
         return input.tracer.create_proxy("call_function", bn_add_relu,
                                          (bn, relu, input, side, add), {})
-    if (_fusable(bn, relu) and isinstance(side, torch.Tensor) and isinstance(input, torch.Tensor)
-            and side.dtype == input.dtype and side.shape == input.shape):
+    if _fusable(bn, relu) and isinstance(side, torch.Tensor) and _same_kind(side, input):
         return _fused_call(bn, input, side)
     out = bn(input)
     out = out.add_(side) if add == "+=" else out + side
     return torch.relu(out) if relu is None else relu(out)
+
+
+def _same_kind(side: torch.Tensor, input: torch.Tensor) -> bool:
+    if not torch.jit.is_tracing():
+        return side.dtype == input.dtype and side.shape == input.shape
+    with warnings.catch_warnings():  # (jit.trace records the sizes; the check runs once)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        return side.dtype == input.dtype and bool(side.shape == input.shape)
 
 
 _GRAPH_OPS = (bn_relu, bn_add_relu)
@@ -207,7 +222,11 @@ for _name, _op in (("__iadd__", operator.iadd), ("__isub__", operator.isub),
 
 class _Tracer(fx.Tracer):
     """Every submodule a leaf: the graph of the traced module's own forward, each submodule
-    it calls one node (whose code, hooks and attributes then run as they are)."""
+    it calls one node (whose code, hooks and attributes then run as they are). Buffers read
+    by the forward (``self.bn.running_mean``) are graph inputs, read when it runs, not
+    values computed once at conversion."""
+
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
@@ -236,24 +255,35 @@ def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
         if own:
             return (f"its class has methods besides forward ({', '.join(sorted(set(own)))}), "
                     "which a traced module would lose")
-    # forward, and the methods of its class it calls (fx traces through them)
-    functions = [type(module).forward]
+    # forward, and the functions it calls by name, methods of its class or of its module
+    # (fx traces through them; one level deep)
+    forward = type(module).forward
+    functions = [forward]
     try:
-        source = inspect.getsource(type(module).forward)
+        source = inspect.getsource(forward)
     except (OSError, TypeError):
         return None
-    for name in sorted(set(re.findall(r"self\.(\w+)\(", source))):
-        method = inspect.getattr_static(type(module), name, None)
-        if inspect.isfunction(method):
-            functions.append(method)
+    names = sorted(set(re.findall(r"(?<![\w.])(self\.)?(\w+)\(", source)))
+    for is_method, name in names:
+        found: Any = (inspect.getattr_static(type(module), name, None) if is_method
+                      else getattr(forward, "__globals__", {}).get(name))
+        if isinstance(found, (staticmethod, classmethod)):
+            found = found.__func__
+        if inspect.isfunction(found) and (found.__module__ or "").split(".")[0] not in (
+                "torch", "bngrad"):
+            functions.append(found)
     for function in functions:
         try:
-            found = _UNRECORDED.search(inspect.getsource(function))
+            text = inspect.getsource(function)
         except (OSError, TypeError):
             continue
+        where = "its forward" if function is forward else f"its {function.__name__}"
+        found = _UNRECORDED.search(text)
         if found:
-            where = "its forward" if function is functions[0] else f"its {function.__name__}"
             return f"{where} uses {found.group(1)}, which an fx graph does not record"
+        if re.search(r"\.training\b", text):
+            return (f"{where} reads a training flag, whose value an fx graph would freeze "
+                    "(train and eval mode, of any module, would run the same ops)")
     return None
 
 
@@ -368,6 +398,9 @@ def _mutates(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
     module)."""
     if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
+    schema = getattr(node.target, "_schema", None)  # an aten op (torch.ops.aten.mul_.Tensor)
+    if schema is not None and getattr(schema, "is_mutable", False):
+        return True
     if node.op == "call_function" and node.target is operator.setitem:
         return True
     if node.op == "call_method":
@@ -479,15 +512,48 @@ def _pure(module: Optional[nn.Module]) -> bool:
     return getattr(module, "inplace", False) is not True
 
 
-def _derived(x: fx.Node) -> set:
-    """The nodes computed from ``x``: all of them may share its memory, for all we know."""
-    seen, todo = {x}, [x]
+def _allocates(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether ``node``'s result is a new tensor, never a view of an argument: a call of one
+    of PyTorch's modules that computes (not Identity, Flatten, Dropout, in place, ...)."""
+    if node.op != "call_module":
+        return False
+    module = modules.get(str(node.target))
+    return (_pure(module) and not isinstance(module, _VIEWING) and not isinstance(
+        module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)))
+
+
+_VIEWING = (nn.Identity, nn.Flatten, nn.Unflatten, nn.modules.dropout._DropoutNd)
+
+
+def _may_share(x: fx.Node, modules: Dict[str, nn.Module]) -> set:
+    """The nodes whose tensors may share memory with ``x``'s: ``x``, what it may be a view
+    of, their views, and so on (every op but a computing module's call may return a view)."""
+    share, todo = {x}, [x]
     while todo:
-        for user in todo.pop().users:
-            if user not in seen:
-                seen.add(user)
-                todo.append(user)
-    return seen
+        n = todo.pop()
+        near = [u for u in n.users if not _allocates(u, modules)]
+        if not _allocates(n, modules):
+            near += n.all_input_nodes
+        for m in near:
+            if m not in share:
+                share.add(m)
+                todo.append(m)
+    return share
+
+
+_KNOWN_MODULES = ("torch", "_operator", "operator", "math", "builtins")
+
+
+def _opaque(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether ``node`` runs code that may write into its arguments unseen: a module that is
+    not one of PyTorch's own (or an in-place one), or a function of the user's (fx.wrap)."""
+    if node.op == "call_module":
+        return not _pure(modules.get(str(node.target)))
+    if node.op == "call_function":
+        home = getattr(node.target, "__module__", None) or ""
+        return (not isinstance(node.target, torch._ops.OpOverload)
+                and home.split(".")[0] not in _KNOWN_MODULES)
+    return False
 
 
 def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, nn.Module],
@@ -500,11 +566,17 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
     for node in graph.nodes:
         if node.op == "call_module" and node.target in calls:
             calls[node.target].append(node)
+    already = {str(n.args[0].target) for n in graph.nodes  # (an earlier convert's)
+               if n.op == "call_function" and n.target in _GRAPH_OPS
+               and isinstance(n.args[0], fx.Node)}
     made: Dict[fx.Node, str] = {}  # the fused calls put into the graph, by module path
     fused = False
     for target, nodes in calls.items():
         bn_module = owned[target]
         name = f"{prefix}{target}"
+        if target in already and not nodes:
+            report.fused.append((name, "fused already (by an earlier convert)"))
+            continue
         if len(nodes) != 1:
             report.unfused.append((name, f"the module is called {len(nodes)} times in the "
                                    "forward; one module cannot be fused and unfused"
@@ -531,16 +603,20 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
         # something computed from the input that is not known to leave its arguments alone.
         x = bn.args[0]
         end = match.add if match.add is not None else match.relu
-        from_x = _derived(x)
+        shared = _may_share(x, modules)
         node = bn.next
         while node is not end and not _mutates(node, modules) and not (
-                node.op == "call_module" and not _pure(modules.get(str(node.target)))
-                and any(a in from_x for a in node.all_input_nodes)):
+                _opaque(node, modules) and any(a in shared for a in node.all_input_nodes)):
+            if node.op == "get_attr" and str(node.target).startswith(f"{target}."):
+                break  # reads the batch norm's statistics before the fused call updates them
             node = node.next
         if node is not end:
-            report.unfused.append((name, f"{_describe(node)} may write in place between the "
-                                   "batch norm and the ReLU (into its input, or into a tensor "
-                                   "that may share its memory)", True))
+            what = ("reads its state" if node.op == "get_attr" else
+                    "may write in place")
+            report.unfused.append((name, f"{_describe(node)} {what} between the batch norm "
+                                   "and the ReLU (the fused call runs at the ReLU; a write "
+                                   "would reach its input, or a tensor that may share its "
+                                   "memory)", True))
             continue
         with graph.inserting_before(end):
             bn_ref = graph.get_attr(target)
@@ -646,6 +722,9 @@ def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport,
     owned = _own_batch_norms(module, prefix, paths, report)
     if type(module) is nn.Sequential:
         result = _fuse_sequential(module, prefix, owned, report)
+    elif type(module) is _FusedSequential:
+        report.fused.extend((f"{prefix}{bn}", "fused already (by an earlier convert)")
+                            for bn, _ in module.fused_pairs)
     elif owned and isinstance(module, nn.Sequential):
         for path in owned:  # (traced, it would lose its indexing; its class is its own)
             report.unfused.append((f"{prefix}{path}", f"its nn.Sequential subclass "

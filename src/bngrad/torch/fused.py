@@ -26,6 +26,7 @@ import types
 from typing import Iterator, Optional
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -35,7 +36,7 @@ from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
 from . import _eager, functional, ops
 from ._convert import from_numpy, is_supported_device, to_numpy, to_numpy_optional, torch_terms
-from .modules import _BngradBatchNorm
+from .modules import _BngradBatchNorm, _traced_call
 
 __all__ = ["BatchNormAddReLU1d", "BatchNormAddReLU2d", "BatchNormAddReLU3d", "BatchNormReLU1d",
            "BatchNormReLU2d", "BatchNormReLU3d", "batch_norm_add_relu", "batch_norm_relu"]
@@ -408,6 +409,8 @@ class _FusedBatchNorm(_BngradBatchNorm):
 
 class _ReLU(_FusedBatchNorm):
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, fx.Proxy):  # torch.fx.symbolic_trace of a model: one call
+            return _traced_call(self, input)
         return self._fused_forward(input, None)
 
 
@@ -416,6 +419,8 @@ class _AddReLU(_FusedBatchNorm):
         if not isinstance(side_input, Tensor):  # (None too: that is BatchNormReLU's work)
             raise TypeError(f"{type(self).__name__}.forward(): argument 'side_input' must be "
                             f"Tensor, not {type(side_input).__name__}")
+        if isinstance(input, fx.Proxy) or isinstance(side_input, fx.Proxy):
+            return _traced_call(self, input, side_input)
         return self._fused_forward(input, side_input)
 
 

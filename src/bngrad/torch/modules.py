@@ -10,9 +10,10 @@ converted. TorchScript (``torch.jit.script``) is refused with a clear error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Optional, Type
+from typing import TYPE_CHECKING, Any, Dict, Optional, Type
 
 import torch
+import torch.fx as fx
 from torch import Tensor, nn
 
 from ..errors import ArgumentTypeError, ArgumentValueError
@@ -46,10 +47,21 @@ else:
     _BatchNormBase = object
 
 
+def _traced_call(module: nn.Module, *args: Any) -> Any:
+    """A call of ``module`` under torch.fx symbolic tracing, recorded as one node (PyTorch's
+    own batch norms are leaves of fx's default tracer; bngrad's, outside torch.nn, would be
+    traced into, and their input checks are Python control flow on tensor sizes)."""
+    tracer = next(a.tracer for a in args if isinstance(a, fx.Proxy))
+    assert isinstance(tracer, fx.Tracer)
+    return tracer.create_proxy("call_module", tracer.path_of_module(module), args, {})
+
+
 class _BngradBatchNorm(_BngradModule, _BatchNormBase):
     """The forward of ``torch.nn.modules.batchnorm._BatchNorm``, calling bngrad's batch_norm."""
 
     def forward(self, input: Tensor) -> Tensor:
+        if isinstance(input, fx.Proxy):  # torch.fx.symbolic_trace of a model: one call
+            return _traced_call(self, input)
         running_mean, running_var, bn_training, factor = self._step(input)
         try:
             return batch_norm(input, running_mean, running_var, self.weight, self.bias,
