@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import os
 import sys
 import warnings
@@ -1100,3 +1101,30 @@ def test_a_converted_model_traces_and_converts_again():
     assert [name for name, _, _ in report.unfused] == ["layer1.1.downsample.1"]
     assert all(how.startswith("fused already") for _, how in report.fused)
     _assert_close(again(x), ref(x), 1e-10, "converted twice")
+
+
+_SEEN = []
+
+
+def _count_call(module, args, output):  # (a hook that pickles: a module-level function)
+    _SEEN.append(type(module).__name__)
+
+
+def test_copies_and_pickles_keep_a_rewritten_modules_hooks_and_attributes():
+    """(Found by hostile testing.) GraphModule's own deepcopy and pickling rebuild the module
+    from its code and kept neither its forward hooks nor its plain attributes."""
+    torch.manual_seed(0)
+    ref = TVBlock(3, 3).double()
+    ours = _fuse(ref)
+    ours.tag = "block"
+    ours.register_forward_hook(_count_call)
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    buffer = io.BytesIO()
+    torch.save(ours, buffer)
+    buffer.seek(0)
+    for copied in (copy.deepcopy(ours), pickle.loads(pickle.dumps(ours)),
+                   torch.load(buffer, weights_only=False)):
+        _SEEN.clear()
+        _assert_close(copied(x), ours(x), 1e-12, "output of the copy")
+        assert len(_SEEN) == 2 and copied.tag == "block"
+        assert copied.bngrad_fusion_report.fused == ours.bngrad_fusion_report.fused

@@ -642,12 +642,48 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
     return fused
 
 
+# A module's hooks and attributes, which GraphModule's own copies and pickles drop (they
+# rebuild the module from its code and keep the state_dict hooks only)
+_HOOKS_AND_STATE = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                    "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook")
+
+
+def _kept(module: nn.Module, rebuilt: nn.Module) -> Dict[str, Any]:
+    """What ``module``'s dict holds that ``rebuilt`` (GraphModule's copy) lacks: hooks, plain
+    attributes, the fusion report."""
+    return {k: v for k, v in module.__dict__.items()
+            if k in _HOOKS_AND_STATE or k not in rebuilt.__dict__}
+
+
+def _rebuilt(reduce: Any, args: Any, kept: Dict[str, Any]) -> nn.Module:
+    module = reduce(*args)
+    module.__dict__.update(kept)
+    return module
+
+
+class _Rewritten(fx.GraphModule):
+    """The GraphModule of a rewritten forward: copies and pickles keep its hooks and
+    attributes, as the module it replaces would."""
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> fx.GraphModule:
+        res = super().__deepcopy__(memo)
+        for key, value in _kept(self, res).items():
+            res.__dict__[key] = copy.deepcopy(value, memo)
+        return res
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        reduce, args = super().__reduce__()
+        rebuilt = reduce(*args)  # (what unpickling will make: to know what it lacks)
+        return (_rebuilt, (reduce, args, _kept(self, rebuilt)))
+
+
 def _graph_module(root: nn.Module, traced: nn.Module, graph: fx.Graph) -> fx.GraphModule:
     """A GraphModule running ``graph`` (traced from ``traced``, a shallow copy of ``root``)
     whose children, parameters and buffers are ``root``'s own, in ``root``'s order
     (GraphModule alone would copy only the referenced ones, in call order: keys and parameter
     order would change), with ``root``'s other attributes for its callers."""
-    gm = fx.GraphModule(traced, graph, class_name=type(root).__name__)
+    gm = _Rewritten(traced, graph, class_name=type(root).__name__)
     # the tensors the graph reads that are not root's state (plain tensor attributes, fx's
     # constants): plain attributes again, not buffers (state_dict keys stay root's)
     read = {k: v for k, v in gm._buffers.items()
