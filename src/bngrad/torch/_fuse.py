@@ -31,13 +31,14 @@ iteration unchanged), whose forward fuses those pairs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import inspect
 import operator
 import re
 import warnings
-from typing import Any, Dict, List, Optional, Tuple, Type, cast
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, cast
 
 import torch
 import torch.fx as fx
@@ -114,11 +115,11 @@ _GLOBAL_HOOKS = tuple(getattr(nn.modules.module, name, {}) for name in (
     "_global_backward_hooks"))
 
 
-def _fusable(bn: nn.Module, relu: Optional[nn.Module]) -> bool:
+def _fusable(bn: nn.Module, relu: Any) -> bool:
     """Whether the modules may run as one fused op: a bngrad batch norm, and no hook, of
     theirs or global (``register_module_forward_hook``), that expects them one by one."""
     return (type(bn) in _FUSED and not _has_call_hooks(bn)
-            and (relu is None or not _has_call_hooks(relu))
+            and not (isinstance(relu, nn.Module) and _has_call_hooks(relu))
             and not any(_GLOBAL_HOOKS))
 
 
@@ -132,21 +133,30 @@ def _fused_call(bn: Any, input: torch.Tensor, side: Optional[torch.Tensor]) -> t
         raise bn._in_module_terms(exc, input) from None
 
 
-def bn_relu(bn: nn.Module, relu: Optional[nn.Module], input: torch.Tensor) -> torch.Tensor:
+def _relu(out: torch.Tensor, relu: Any) -> torch.Tensor:
+    """The ReLU as the code applied it: its module, or ``torch.relu_`` (``relu`` True: in
+    place, as ``F.relu(inplace=True)`` and ``.relu_()``) or ``torch.relu``."""
+    if isinstance(relu, nn.Module):
+        return relu(out)
+    return torch.relu_(out) if relu else torch.relu(out)
+
+
+def bn_relu(bn: nn.Module, relu: Any, input: torch.Tensor) -> torch.Tensor:
     """``relu(bn(input))`` as one fused pass: a rewritten forward's op for BN→ReLU (``relu``:
-    the ``nn.ReLU`` module the code called, None for ``torch.relu`` and its kin)."""
+    the ``nn.ReLU`` module the code called, or whether the function it called worked in
+    place)."""
     if isinstance(input, fx.Proxy):  # under fx tracing (a GraphModule unpickled): one op
         return input.tracer.create_proxy("call_function", bn_relu, (bn, relu, input), {})
     if _fusable(bn, relu):
         return _fused_call(bn, input, None)
-    out = bn(input)
-    return torch.relu(out) if relu is None else relu(out)
+    return _relu(bn(input), relu)
 
 
-def bn_add_relu(bn: nn.Module, relu: Optional[nn.Module], input: torch.Tensor,
-                side: torch.Tensor, add: str) -> torch.Tensor:
+def bn_add_relu(bn: nn.Module, relu: Any, input: torch.Tensor, side: torch.Tensor,
+                add: str) -> torch.Tensor:
     """``relu(bn(input) + side)`` as one fused pass: a rewritten forward's op for BN→add→ReLU
-    (``add``: ``"+"``, or ``"+="`` for an add in place, which keeps batch norm's dtype). A
+    (``add``: ``"+"``, ``"side +"`` with the side input first, whose layout the sum then
+    takes, or ``"+="`` for an add in place, which keeps batch norm's dtype). A
     side input of another dtype or shape (autocast's bfloat16 beside a float32 shortcut, a
     broadcast) runs the three ops unfused, as the code did."""
     if isinstance(input, fx.Proxy):  # under fx tracing (a GraphModule unpickled): one op
@@ -155,16 +165,20 @@ def bn_add_relu(bn: nn.Module, relu: Optional[nn.Module], input: torch.Tensor,
     if _fusable(bn, relu) and isinstance(side, torch.Tensor) and _same_kind(side, input):
         return _fused_call(bn, input, side)
     out = bn(input)
-    out = out.add_(side) if add == "+=" else out + side
-    return torch.relu(out) if relu is None else relu(out)
+    out = out.add_(side) if add == "+=" else side + out if add == "side +" else out + side
+    return _relu(out, relu)
 
 
 def _same_kind(side: torch.Tensor, input: torch.Tensor) -> bool:
+    # (the same strides too: the sum's memory layout is then the batch norm's, whichever
+    # operand the code put first)
     if not torch.jit.is_tracing():
-        return side.dtype == input.dtype and side.shape == input.shape
+        return (side.dtype == input.dtype and side.shape == input.shape
+                and side.stride() == input.stride())
     with warnings.catch_warnings():  # (jit.trace records the sizes; the check runs once)
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        return side.dtype == input.dtype and bool(side.shape == input.shape)
+        return (side.dtype == input.dtype and bool(side.shape == input.shape)
+                and side.stride() == input.stride())
 
 
 _GRAPH_OPS = (bn_relu, bn_add_relu)
@@ -213,8 +227,10 @@ class _Proxy(fx.Proxy):
     autocast a float32 sum where the original keeps bfloat16)."""
 
 
-for _name, _op in (("__iadd__", operator.iadd), ("__isub__", operator.isub),
-                   ("__imul__", operator.imul), ("__itruediv__", operator.itruediv)):
+_IN_PLACE = {f"__i{name}__": getattr(operator, f"i{name}") for name in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor",
+    "lshift", "rshift")}
+for _name, _op in _IN_PLACE.items():
     def _in_place(self: fx.Proxy, other: Any, _op: Any = _op) -> fx.Proxy:
         return self.tracer.create_proxy("call_function", _op, (self, other), {})
     setattr(_Proxy, _name, _in_place)
@@ -287,6 +303,37 @@ def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
     return None
 
 
+@contextlib.contextmanager
+def _watching_grad_mode() -> Iterator[List[str]]:
+    """The names of the grad-mode and autocast switches and reads the code run inside makes
+    (an fx graph records neither: ``no_grad`` in a helper, ``torch.is_grad_enabled()``),
+    wherever the code is; PyTorch's classes and functions are patched meanwhile."""
+    seen: List[str] = []
+    undo: List[Tuple[Any, str, Any]] = []
+
+    def watch(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            seen.append(label)
+            return original(*args, **kwargs)
+        undo.append((owner, name, vars(owner).get(name)))
+        setattr(owner, name, watched)
+    for cls in (torch.no_grad, torch.enable_grad, torch.set_grad_enabled, torch.inference_mode,
+                torch.amp.autocast):
+        watch(cls, "__enter__", cls.__name__)
+    for name in ("is_grad_enabled", "is_inference_mode_enabled", "is_autocast_enabled"):
+        watch(torch, name, name)
+    try:
+        yield seen
+    finally:
+        for owner, name, original in reversed(undo):
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+
 def _trace(module: nn.Module, child: bool = False) -> Tuple[fx.Graph, nn.Module]:
     """(the fx graph of ``module``'s forward, the shallow copy traced); raises when tracing
     fails, when the graph depends on the training flag (fx would freeze the current mode's
@@ -298,7 +345,10 @@ def _trace(module: nn.Module, child: bool = False) -> Tuple[fx.Graph, nn.Module]
         raise RuntimeError(why)
     traced = copy.copy(module)  # (its children, parameters and buffers are module's)
     modes = {m: m.training for m in traced.modules()}
-    graph = _Tracer().trace(traced)
+    with _watching_grad_mode() as seen:
+        graph = _Tracer().trace(traced)
+    if seen:
+        raise RuntimeError(f"its forward uses {seen[0]}, which an fx graph does not record")
     try:
         for m in modes:
             m.training = not modes[m]
@@ -409,8 +459,7 @@ def _mutates(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
     if node.op == "call_function":
         name = getattr(node.target, "__name__", "")
         return ((name.endswith("_") and not name.endswith("__"))
-                or node.target in (operator.iadd, operator.isub, operator.imul,
-                                   operator.itruediv))
+                or node.target in _IN_PLACE.values())
     if node.op == "call_module":
         return getattr(modules.get(str(node.target)), "inplace", False) is True
     return False
@@ -503,10 +552,10 @@ def _own_batch_norms(module: nn.Module, prefix: str, paths: Dict[int, List[str]]
 def _pure(module: Optional[nn.Module]) -> bool:
     """Whether calling ``module`` writes into nothing it is given: PyTorch's own modules but
     in-place ones (containers of such), and batch norms (their own statistics only)."""
-    if module is None or isinstance(module, nn.modules.batchnorm._BatchNorm):
+    if module is None or type(module) in _FUSED:
         return True
     if not type(module).__module__.startswith("torch.nn.modules"):
-        return False
+        return False  # (a subclass of PyTorch's batch norm too: its forward is the user's)
     if isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
         return all(_pure(child) for child in module.children())
     return getattr(module, "inplace", False) is not True
@@ -542,6 +591,14 @@ def _may_share(x: fx.Node, modules: Dict[str, nn.Module]) -> set:
 
 
 _KNOWN_MODULES = ("torch", "_operator", "operator", "math", "builtins")
+
+
+def _stateful(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
+    """Whether ``node`` calls a module holding parameters or buffers (which may be the batch
+    norm's own, tied), whatever it is given."""
+    module = modules.get(str(node.target)) if node.op == "call_module" else None
+    return module is not None and any(True for _ in module.parameters()) or (
+        module is not None and any(True for _ in module.buffers()))
 
 
 def _opaque(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
@@ -604,15 +661,18 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
         x = bn.args[0]
         end = match.add if match.add is not None else match.relu
         shared = _may_share(x, modules)
+        state = {n for n in graph.nodes  # the batch norm's parameters and statistics
+                 if n.op == "get_attr" and str(n.target).startswith(f"{target}.")}
         node = bn.next
         while node is not end and not _mutates(node, modules) and not (
-                _opaque(node, modules) and any(a in shared for a in node.all_input_nodes)):
-            if node.op == "get_attr" and str(node.target).startswith(f"{target}."):
-                break  # reads the batch norm's statistics before the fused call updates them
+                _opaque(node, modules) and (_stateful(node, modules) or any(
+                    a in shared for a in node.all_input_nodes))):
+            if node in state or any(a in state for a in node.all_input_nodes):
+                break  # reads the batch norm's state before the fused call updates it
             node = node.next
         if node is not end:
-            what = ("reads its state" if node.op == "get_attr" else
-                    "may write in place")
+            what = ("reads its state" if node in state or any(
+                a in state for a in node.all_input_nodes) else "may write in place")
             report.unfused.append((name, f"{_describe(node)} {what} between the batch norm "
                                    "and the ReLU (the fused call runs at the ReLU; a write "
                                    "would reach its input, or a tensor that may share its "
@@ -620,15 +680,15 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
             continue
         with graph.inserting_before(end):
             bn_ref = graph.get_attr(target)
-            relu_ref = (graph.get_attr(str(match.relu.target))
-                        if match.relu.op == "call_module" else None)
+            relu_ref: Any = (graph.get_attr(str(match.relu.target))
+                             if match.relu.op == "call_module" else _mutates(match.relu, modules))
             if match.kind == "relu":
                 new = graph.call_function(bn_relu, (bn_ref, relu_ref, x))
             else:
                 add = _as_add(end)
                 assert add is not None
-                new = graph.call_function(bn_add_relu, (bn_ref, relu_ref, x, match.side,
-                                                        "+=" if add[2] else "+"))
+                form = "+=" if add[2] else "+" if add[0] is bn else "side +"
+                new = graph.call_function(bn_add_relu, (bn_ref, relu_ref, x, match.side, form))
         made[new] = target
         match.relu.replace_all_uses_with(new)
         graph.erase_node(match.relu)
@@ -801,19 +861,20 @@ def _unfuse_graph(gm: fx.GraphModule) -> None:
         if node.op != "call_function" or node.target not in _GRAPH_OPS:
             continue
         bn_ref, relu_ref, x = node.args[:3]
-        assert isinstance(bn_ref, fx.Node) and (relu_ref is None or isinstance(relu_ref, fx.Node))
+        assert isinstance(bn_ref, fx.Node)
         with graph.inserting_before(node):
             out = graph.call_module(str(bn_ref.target), (x,))
             if node.target is bn_add_relu:
                 side, add = node.args[3], node.args[4]
                 out = graph.call_function(operator.iadd if add == "+=" else operator.add,
-                                          (out, side))
-            relu = (graph.call_function(torch.relu, (out,)) if relu_ref is None
-                    else graph.call_module(str(relu_ref.target), (out,)))
+                                          (side, out) if add == "side +" else (out, side))
+            relu = (graph.call_module(str(relu_ref.target), (out,))
+                    if isinstance(relu_ref, fx.Node) else
+                    graph.call_function(torch.relu_ if relu_ref else torch.relu, (out,)))
         node.replace_all_uses_with(relu)
         graph.erase_node(node)
         for ref in (bn_ref, relu_ref):
-            if ref is not None and not ref.users:
+            if isinstance(ref, fx.Node) and not ref.users:
                 graph.erase_node(ref)
         found = True
     if found:
