@@ -1233,3 +1233,31 @@ def test_copies_and_pickles_keep_a_rewritten_modules_hooks_and_attributes():
         _assert_close(copied(x), ours(x), 1e-12, "output of the copy")
         assert len(_SEEN) == 2 and copied.tag == "block"
         assert copied.bngrad_fusion_report.fused == ours.bngrad_fusion_report.fused
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_permuted_input_gives_pytorchs_layouts(fuse):
+    """(Found by hostile testing.) A batch norm on a permuted input that is not channels_last
+    ((N, L, C) tokens transposed to (N, C, L)) kept that layout in its output, where PyTorch's
+    is contiguous: a .view after it failed. The gradient keeps the input's layout, as
+    PyTorch's."""
+    class Tokens(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            return torch.relu(self.bn(x.transpose(1, 2))).view(x.shape[0], -1)
+
+    torch.manual_seed(0)
+    ref = Tokens().double()
+    ours = bt.convert(copy.deepcopy(ref), fuse=fuse)
+    assert _fused(ours) == ((1, 0) if fuse else (0, 0))
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    out_ref, gx_ref, grads_ref = _forward_backward(ref, x)
+    out, gx, grads = _forward_backward(ours, x)
+    _assert_close(out, out_ref, 1e-10, "output")
+    _assert_close(gx, gx_ref, 1e-10, "grad of the input")
+    assert gx.stride() == gx_ref.stride()
+    for key in grads_ref:
+        _assert_close(grads[key], grads_ref[key], 1e-10, key)

@@ -25,6 +25,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "from_numpy",
     "is_supported_device",
+    "output_like",
     "numpy_dtype",
     "to_numpy",
     "to_numpy_optional",
@@ -113,6 +114,21 @@ def to_numpy(tensor: torch.Tensor, name: str = "tensor") -> np.ndarray:
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(_BF16)
     return t.numpy()
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
+def output_like(input: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor for batch norm's forward output, in the memory format
+    PyTorch's batch norm gives it (its input's suggested format: channels_last stays
+    channels_last, any other permuted layout becomes contiguous; the NumPy API writes across
+    layouts). (Its grad_input keeps the input's layout, as ``torch.empty_like`` does.)"""
+    last = _CHANNELS_LAST.get(input.dim())
+    if last is not None and not input.is_contiguous() and input.is_contiguous(
+            memory_format=last):
+        return torch.empty_like(input, memory_format=last)
+    return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
 def to_numpy_optional(tensor: Optional[torch.Tensor], name: str = "tensor") -> Optional[np.ndarray]:

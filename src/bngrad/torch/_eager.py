@@ -30,7 +30,7 @@ import bngrad
 
 from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
-from ._convert import from_numpy, to_numpy, to_numpy_optional, torch_terms
+from ._convert import from_numpy, output_like, to_numpy, to_numpy_optional, torch_terms
 
 __all__ = ["applies", "batch_norm"]
 
@@ -66,7 +66,7 @@ _NATIVE = frozenset(np.dtype(name) for name in ("float64", "float32", "float16")
 @_gomp.on_torch_team
 def _forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """(output, save_mean, save_invstd); running statistics updated in place in training."""
-    output = torch.empty_like(input)
+    output = output_like(input)
     try:
         _, save_mean, save_invstd = bngrad.batch_norm_forward(
             to_numpy(input, "input"), to_numpy_optional(weight, "weight"),

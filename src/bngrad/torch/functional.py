@@ -39,8 +39,9 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     Same signature and results as PyTorch's; differentiable to any order (gradients come from
     :func:`bngrad.batch_norm_backward`). Runs on CPU tensors of float64, float32, float16 and
     bfloat16 without copying them to or from NumPy; float16/bfloat16 inputs may have float32
-    weight, bias and running statistics (mixed precision). Output keeps the input's memory
-    format (channels_last stays channels_last).
+    weight, bias and running statistics (mixed precision). The output's memory format is
+    PyTorch's (channels_last stays channels_last; another permuted layout gives a contiguous
+    output), grad_input keeps the input's layout.
 
     Parameters
     ----------
@@ -61,7 +62,7 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     Returns
     -------
     Tensor
-        Same shape, dtype and memory format as ``input``.
+        Same shape and dtype as ``input``; memory format as PyTorch's (above).
 
     Raises
     ------

@@ -35,7 +35,8 @@ import bngrad
 from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
 from . import _eager, functional, ops
-from ._convert import from_numpy, is_supported_device, to_numpy, to_numpy_optional, torch_terms
+from ._convert import (from_numpy, is_supported_device, output_like, to_numpy, to_numpy_optional,
+                       torch_terms)
 from .modules import _BngradBatchNorm, _traced_call
 
 __all__ = ["BatchNormAddReLU1d", "BatchNormAddReLU2d", "BatchNormAddReLU3d", "BatchNormReLU1d",
@@ -80,7 +81,7 @@ def batch_norm_relu_forward(input: Tensor, weight: Optional[Tensor], bias: Optio
     """
     new_mean = running_mean.clone() if training and running_mean is not None else None
     new_var = running_var.clone() if training and running_var is not None else None
-    output = torch.empty_like(input)
+    output = output_like(input)
     try:
         _, save_mean, save_invstd, mask = bngrad.batch_norm_relu_forward(
             to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
@@ -114,7 +115,7 @@ def _(input, weight, bias, running_mean, running_var, side_input, training, mome
                                                                                       dtype=stat)
 
     n_mask = _mask_len(input) if activation == "relu" else 0
-    return (torch.empty_like(input), input.new_empty((n,), dtype=stat),
+    return (output_like(input), input.new_empty((n,), dtype=stat),
             input.new_empty((n,), dtype=stat), new_stat(running_mean), new_stat(running_var),
             input.new_empty((n_mask,), dtype=torch.uint8))
 
@@ -286,7 +287,7 @@ class _BatchNormReLU(torch.autograd.Function):
 @_gomp.on_torch_team
 def _forward(input, weight, bias, side_input, running_mean, running_var, training, momentum,
              eps, activation):
-    output = torch.empty_like(input)
+    output = output_like(input)
     try:
         _, save_mean, save_invstd, mask = bngrad.batch_norm_relu_forward(
             to_numpy(input, "input"), to_numpy_optional(weight, "weight"),

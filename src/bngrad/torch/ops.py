@@ -38,7 +38,8 @@ import bngrad
 
 from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
-from ._convert import HALF, from_numpy, stat_dtype, to_numpy, to_numpy_optional, torch_terms
+from ._convert import (HALF, from_numpy, output_like, stat_dtype, to_numpy, to_numpy_optional,
+                       torch_terms)
 
 __all__ = [
     "batch_norm_backward",
@@ -99,7 +100,7 @@ def batch_norm_forward(input: Tensor, weight: Optional[Tensor], bias: Optional[T
     new_var = running_var.clone() if training and running_var is not None else None
     # output is allocated by torch (the strides the fake implementation promises; compiled
     # graphs rely on them) and written in place by bngrad, as grad_input is in the backward.
-    output = torch.empty_like(input)
+    output = output_like(input)
     try:
         _, save_mean, save_invstd = bngrad.batch_norm_forward(
             to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
@@ -129,7 +130,7 @@ def _(input, weight, bias, running_mean, running_var, training, momentum, eps):
             return torch.empty_like(r)
         return input.new_empty((0,), dtype=stat)
 
-    return (torch.empty_like(input), input.new_empty((n,), dtype=stat),
+    return (output_like(input), input.new_empty((n,), dtype=stat),
             input.new_empty((n,), dtype=stat), new_stat(running_mean), new_stat(running_var))
 
 
