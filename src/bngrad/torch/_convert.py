@@ -124,10 +124,10 @@ def output_like(input: torch.Tensor) -> torch.Tensor:
     PyTorch's batch norm gives it (its input's suggested format: channels_last stays
     channels_last, any other permuted layout becomes contiguous; the NumPy API writes across
     layouts). (Its grad_input keeps the input's layout, as ``torch.empty_like`` does.)"""
+    out = torch.empty_like(input)  # (a dense input's strides, else the suggested format)
     last = _CHANNELS_LAST.get(input.dim())
-    if last is not None and not input.is_contiguous() and input.is_contiguous(
-            memory_format=last):
-        return torch.empty_like(input, memory_format=last)
+    if out.is_contiguous() or (last is not None and out.is_contiguous(memory_format=last)):
+        return out
     return torch.empty_like(input, memory_format=torch.contiguous_format)
 
 
