@@ -1027,15 +1027,12 @@ class _ClampBN(nn.BatchNorm2d):
         return super().forward(input)
 
 
-class _SubclassBetween(nn.Module):
+class _SubclassBetween(_LeafWritesInput):
+    """The module between: a user's subclass of batch norm that writes into its input."""
+
     def __init__(self):
         super().__init__()
-        self.conv, self.bn, self.sc = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4), _ClampBN(4)
-
-    def forward(self, x):
-        y = self.conv(x)
-        out = self.bn(y)
-        return torch.relu(out + self.sc(y))
+        self.sc = _ClampBN(4)
 
 
 class _InPlaceReLU(nn.Module):

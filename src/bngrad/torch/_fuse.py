@@ -35,6 +35,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import itertools
 import operator
 import re
 import warnings
@@ -172,13 +173,13 @@ def bn_add_relu(bn: nn.Module, relu: Any, input: torch.Tensor, side: torch.Tenso
 def _same_kind(side: torch.Tensor, input: torch.Tensor) -> bool:
     # (the same strides too: the sum's memory layout is then the batch norm's, whichever
     # operand the code put first)
+    if side.dtype != input.dtype or side.stride() != input.stride():
+        return False
     if not torch.jit.is_tracing():
-        return (side.dtype == input.dtype and side.shape == input.shape
-                and side.stride() == input.stride())
+        return side.shape == input.shape
     with warnings.catch_warnings():  # (jit.trace records the sizes; the check runs once)
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        return (side.dtype == input.dtype and bool(side.shape == input.shape)
-                and side.stride() == input.stride())
+        return bool(side.shape == input.shape)
 
 
 _GRAPH_OPS = (bn_relu, bn_add_relu)
@@ -597,8 +598,8 @@ def _stateful(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
     """Whether ``node`` calls a module holding parameters or buffers (which may be the batch
     norm's own, tied), whatever it is given."""
     module = modules.get(str(node.target)) if node.op == "call_module" else None
-    return module is not None and any(True for _ in module.parameters()) or (
-        module is not None and any(True for _ in module.buffers()))
+    return module is not None and next(
+        itertools.chain(module.parameters(), module.buffers()), None) is not None
 
 
 def _opaque(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:

@@ -10,7 +10,7 @@ converted. TorchScript (``torch.jit.script``) is refused with a clear error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Optional, Type
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Type
 
 import torch
 import torch.fx as fx
@@ -197,24 +197,32 @@ def _has_call_hooks(module: nn.Module) -> bool:
     return any(getattr(module, name, None) for name in _CALL_HOOKS)
 
 
-def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]],
-          done: Optional[Dict[int, nn.Module]] = None) -> nn.Module:
-    """``module`` with every batch norm of a type in ``table`` replaced (children in place);
-    a module reachable by two names is replaced once, by one new module (``done``)."""
+def _replace(module: nn.Module, new_for: Callable[[nn.Module], Optional[nn.Module]],
+             done: Optional[Dict[int, nn.Module]] = None) -> nn.Module:
+    """``module`` with every module ``new_for`` gives a replacement for replaced (children in
+    place); a module reachable by two names is replaced once, by one new module (``done``)."""
     done = {} if done is None else done
     if id(module) in done:
         return done[id(module)]
-    new_type = table.get(type(module))
-    out = module
-    if new_type is not None:
-        out = _take_hooks(_share_state(new_type(module.num_features, module.eps,
-                                                module.momentum, module.affine,
-                                                module.track_running_stats), module), module)
+    new = new_for(module)
+    out = module if new is None else new
     done[id(module)] = out
     for name, child in list(out._modules.items()):
         if child is not None:
-            out._modules[name] = _swap(child, table, done)
+            out._modules[name] = _replace(child, new_for, done)
     return out
+
+
+def _swap(module: nn.Module, table: Dict[Type[nn.Module], Type[nn.Module]]) -> nn.Module:
+    """``module`` with every batch norm of a type in ``table`` replaced by its new type, state
+    and hooks shared (:func:`_replace`)."""
+    def new_for(bn: nn.Module) -> Optional[nn.Module]:
+        new_type = table.get(type(bn))
+        if new_type is None:
+            return None
+        return _take_hooks(_share_state(new_type(bn.num_features, bn.eps, bn.momentum,
+                                                 bn.affine, bn.track_running_stats), bn), bn)
+    return _replace(module, new_for)
 
 
 def _check_module(module: object, fn: str) -> None:

@@ -37,7 +37,7 @@ from ..kernels import inv_std
 from ._convert import from_numpy, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
 from .fused import _FusedBatchNorm
-from .modules import _BngradModule, _share_state
+from .modules import _BngradModule, _replace, _share_state
 
 __all__ = ["SyncBatchNorm", "CollectiveError", "combine_moments"]
 
@@ -324,20 +324,9 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
                 "ReLU; use bngrad.torch.BatchNorm2d (1d, 3d) and the ReLU there, or "
                 "bngrad.torch.convert(model, fuse=True), whose fused calls keep the batch norm "
                 "modules (not revert(model): it leaves fused modules built by hand)")
-        return cls._convert(module, process_group, {})
-
-    @classmethod
-    def _convert(cls, module: torch.nn.Module, process_group: Any,
-                 done: dict) -> torch.nn.Module:
-        if id(module) in done:
-            return done[id(module)]
-        out = module
-        if isinstance(module, _BatchNorm):
-            out = _share_state(cls(module.num_features, module.eps, module.momentum,
-                                   module.affine, module.track_running_stats, process_group),
-                               module)
-        done[id(module)] = out
-        for name, child in list(module._modules.items()):
-            if child is not None:
-                out.add_module(name, cls._convert(child, process_group, done))
-        return out
+        def new_for(bn: torch.nn.Module) -> Optional[torch.nn.Module]:
+            if not isinstance(bn, _BatchNorm):
+                return None
+            return _share_state(cls(bn.num_features, bn.eps, bn.momentum, bn.affine,
+                                    bn.track_running_stats, process_group), bn)
+        return _replace(module, new_for)
