@@ -309,6 +309,37 @@ def test_without_process_group_it_is_plain_batch_norm():
     assert_close(ours.running_var.numpy(), theirs.running_var.numpy(), what="running_var")
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "permuted", "sliced"])
+def test_the_synchronised_path_gives_pytorchs_layouts(monkeypatch, layout):
+    """The collective path (two ranks holding the same batch, simulated in this process by
+    patching the collectives): outputs and gradients equal plain batch norm's on the local batch,
+    in PyTorch's memory formats: a channels_last output stays channels_last, another permuted
+    layout gives a contiguous one, as torch's batch norm; grad_input keeps input's layout."""
+    from bngrad.torch import sync
+
+    monkeypatch.setattr(sync, "_all_gather", lambda buf, *a: torch.stack([buf, buf]))
+    monkeypatch.setattr(sync.dist, "all_reduce", lambda t, *a, **k: t.mul_(2))
+    torch.manual_seed(0)
+    base = torch.randn(4, 6, 5, 3, dtype=torch.float64)
+    x = {"contiguous": base, "channels_last": base.contiguous(memory_format=torch.channels_last),
+         "permuted": base.permute(0, 1, 3, 2).contiguous().permute(0, 1, 3, 2),
+         "sliced": torch.randn(4, 12, 5, 3, dtype=torch.float64)[:, ::2]}[layout]
+    ours, theirs = SyncBatchNorm(6, dtype=torch.float64), torch.nn.BatchNorm2d(6).double()
+    xa, xb = x.clone(memory_format=torch.preserve_format).requires_grad_(), x.detach().clone(
+        memory_format=torch.preserve_format).requires_grad_()
+    y = sync._SyncBatchNormFunction.apply(xa, ours.weight, ours.bias, ours.running_mean,
+                                          ours.running_var, ours.eps, 0.1, None, 2, "test")
+    y2 = theirs(xb)
+    g = torch.randn_like(y2)
+    y.backward(g)
+    y2.backward(g)
+    assert y.stride() == y2.stride(), (y.stride(), y2.stride())
+    assert xa.grad.stride() == xb.grad.stride(), (xa.grad.stride(), xb.grad.stride())
+    assert_close(y.detach().numpy(), y2.detach().numpy(), what="output")
+    assert_close(xa.grad.numpy(), xb.grad.numpy(), what="grad_input")
+    assert_close(ours.running_mean.numpy(), theirs.running_mean.numpy(), what="running_mean")
+
+
 def test_state_dict_and_constructor_match_torch():
     ours = SyncBatchNorm(5, eps=1e-3, momentum=None, affine=False, track_running_stats=True)
     theirs = torch.nn.SyncBatchNorm(5, eps=1e-3, momentum=None, affine=False)

@@ -34,7 +34,7 @@ from .. import _dtypes
 from .. import _gomp
 from ..errors import ArgumentValueError, BngradError
 from ..kernels import inv_std
-from ._convert import from_numpy, to_numpy, to_numpy_optional
+from ._convert import from_numpy, output_like, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
 from .fused import _FusedBatchNorm
 from .modules import _BngradModule, _replace, _share_state
@@ -150,15 +150,13 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                     running_var.copy_(torch.from_numpy(
                         (1 - momentum) * running_var.double().numpy() + momentum * unbiased))
 
+        output = output_like(input)  # PyTorch's memory format, as the plain layers'
         if local_count:
             # Eval-mode batch norm with the global statistics is exactly the normalisation step.
-            out, _, _ = _api.batch_norm_forward(
+            _api.batch_norm_forward(
                 x, to_numpy_optional(weight, "weight"), to_numpy_optional(bias, "bias"),
                 mean_s, gvar.astype(stat_dtype), train=False, eps=eps, channel_axis=1,
-                num_threads=torch.get_num_threads())
-            output = from_numpy(out)
-        else:
-            output = torch.empty_like(input)
+                num_threads=torch.get_num_threads(), out=to_numpy(output))
 
         ctx.save_for_backward(input, weight, torch.from_numpy(mean_s), torch.from_numpy(invstd_s))
         ctx.total, ctx.group, ctx.layer = total, group, layer
