@@ -110,16 +110,36 @@ def test_single_flipped_ulp_fails_under_ulp_zero(tmp_path, capsys):
     assert compare(out, "--ulp", "1", files={"dx": path}) == 0
 
 
+def channel_scales(out, name):
+    """docs/dsp.md's scale_c of output ``name``, from the stored inputs, per channel."""
+    g = vectors.load_vectors(out)
+    x, dy, mean, invar, scale = (g.inputs[n].astype(np.float64) for n in
+                                 ("x", "dy", "mean", "invar", "scale"))
+    xhat = (x - mean) * invar
+    if name == "dbias":
+        return np.abs(dy).sum(0)
+    if name == "dscale":
+        return np.abs(dy * xhat).sum(0)
+    m = len(x)
+    terms = np.abs(dy) + np.abs(dy.sum(0)) / m + np.abs(xhat) * np.abs((dy * xhat).sum(0)) / m
+    return (np.abs(invar * scale) * terms).max(0)
+
+
 @pytest.mark.parametrize("name", OUTPUTS)
 def test_just_beyond_default_tolerance_fails(tmp_path, capsys, name):
-    """Move one element to the first representable value beyond atol + rtol*|expected|."""
+    """Move one element to the first representable value beyond atol_c + rtol*|expected|,
+    its channel's bound (docs/dsp.md: the manifest's atol is the largest channel's)."""
     out = write(tmp_path, "--seed", "3", dtype="fp16")
     manifest = json.loads((out / "manifest.json").read_text())
     tol = manifest["tolerances"][name]
     good, path = device_copy(out, tmp_path, name)
     flat = 37 if name == "dx" else 5
+    channel = flat % 64
+    scales = channel_scales(out, name)
+    assert tol["scale"] == pytest.approx(scales.max(), rel=1e-12)
+    assert scales[channel] < 0.9 * scales.max()  # a channel whose own bound is the tighter
     e = float(good.reshape(-1)[flat])
-    bound = tol["atol"] + tol["rtol"] * abs(e)
+    bound = tol["atol"] * scales[channel] / scales.max() + tol["rtol"] * abs(e)
     within = bad = good.copy()
     k = 0
     while True:   # step up one ULP at a time; the last value inside the bound, then the first out
@@ -910,3 +930,121 @@ def test_docs_c_snippet_reads_x_and_writes_device_dx(tmp_path):
     subprocess.run([str(program)], cwd=tmp_path, check=True)
     x = np.fromfile(tmp_path / "golden" / "x.bin", "<f4")
     np.testing.assert_array_equal(np.fromfile(tmp_path / "device_dx.bin", "<f4"), x)
+
+
+# --- the default tolerances per channel (hostile testing, session 20) ---------------------------
+
+@pytest.fixture(scope="module")
+def dsp_suite(tmp_path_factory):
+    from bngrad import dsp_suite
+    root = tmp_path_factory.mktemp("suite")
+    return {c.name: vectors.load_vectors(root / c.name) for c in dsp_suite.write_suite(root)}
+
+
+def float32_device(g, sequential=True, toward_zero=False):
+    """A plain float32 implementation of the seed's formulas: sums in float32 (one after the
+    other, or pairwise as NumPy's), results rounded to the output dtype (to nearest, or
+    toward zero)."""
+    f = np.float32
+    x, dy, mean, invar, scale = (g.inputs[n].astype(f) for n in
+                                 ("x", "dy", "mean", "invar", "scale"))
+    m = f(len(x))
+    xhat = (x - mean) * invar
+    total = ((lambda a: np.cumsum(a, axis=0, dtype=f)[-1]) if sequential
+             else (lambda a: a.sum(0, dtype=f)))
+    sum_dy, sum_dy_xhat = total(dy), total(dy * xhat)
+    dx = (scale * invar * (dy - sum_dy / m - xhat * (sum_dy_xhat / m)) if g.is_train
+          else dy * invar * scale)
+    outputs = {}
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name, value in (("dx", dx), ("dbias", sum_dy), ("dscale", sum_dy_xhat)):
+            rounded = value.astype(g.expected[name].dtype)
+            if toward_zero:  # one step back where rounding to nearest went away from zero
+                away = np.abs(rounded.astype(np.float64)) > np.abs(value.astype(np.float64))
+                rounded = np.where(away, np.nextafter(rounded, np.zeros_like(rounded)), rounded)
+            outputs[name] = rounded
+    return outputs
+
+
+@pytest.mark.parametrize("sequential, toward_zero", [(True, False), (False, False),
+                                                     (True, True)])
+def test_a_float32_device_passes_every_suite_case(dsp_suite, sequential, toward_zero):
+    failed = [name for name, g in dsp_suite.items()
+              if not vectors.compare(g, float32_device(g, sequential, toward_zero)).passed]
+    assert not failed
+
+
+def _formula_errors(g):
+    """dx with a formula error each: (what, dx in float64)."""
+    a = {n: v.astype(np.float64) for n, v in g.inputs.items()}
+    m = len(a["x"])
+    xhat = (a["x"] - a["mean"]) * a["invar"]
+    k = a["scale"] * a["invar"]
+    sum_dy, sum_dy_xhat = a["dy"].sum(0), (a["dy"] * xhat).sum(0)
+    errors = {"no sum(dy)/m": k * (a["dy"] - xhat * sum_dy_xhat / m)}
+    if m < 64:  # (at batch 4096 a factor 4096/4095 is below float16's resolution)
+        errors["/(m-1) in the last term"] = k * (a["dy"] - sum_dy / m
+                                                 - xhat * sum_dy_xhat / (m - 1))
+    return errors
+
+
+@pytest.mark.parametrize("case", ["fp16_s_b4096_c16_train_normal_pfp32",
+                                  "fp16_s_b4_c64_train_zerovar", "fp32_s_b4_c64_train_normal"])
+def test_formula_errors_fail_the_default_tolerances(dsp_suite, case):
+    g = dsp_suite[case]
+    assert vectors.compare(g, g.expected).passed
+    for what, dx in _formula_errors(g).items():
+        with np.errstate(over="ignore"):
+            report = vectors.compare(g, {"dx": dx.astype(g.expected["dx"].dtype)})
+        assert not report.passed, what
+
+
+def test_a_large_channel_does_not_widen_the_others_bound(dsp_suite):
+    """zerovar cases: constant channels (invar ~316) have far larger terms than the others;
+    zeroing or rescaling ordinary channels must fail (with one bound per output it passed)."""
+    for case in ("fp16_s_b5_c32_eval_zerovar", "fp16_s_b4_c64_train_zerovar"):
+        g = dsp_suite[case]
+        scales = channel_scales_of(g, "dx")
+        ordinary = np.flatnonzero(scales < scales.max() / 10)
+        assert ordinary.size
+        for c in ordinary:
+            dx = g.expected["dx"].copy()
+            dx[:, c] = 0
+            assert not vectors.compare(g, {"dx": dx}).passed, (case, c)
+        dx = g.expected["dx"].astype(np.float64)
+        dx[:, ordinary] *= 1.25
+        assert not vectors.compare(g, {"dx": dx.astype(np.float16)}).passed, case
+
+
+def channel_scales_of(g, name):
+    """channel_scales (above) for loaded vectors."""
+    x, dy, mean, invar, scale = (g.inputs[n].astype(np.float64) for n in
+                                 ("x", "dy", "mean", "invar", "scale"))
+    xhat = (x - mean) * invar
+    terms = np.abs(dy)
+    if g.is_train:
+        m = len(x)
+        terms = terms + np.abs(dy.sum(0)) / m + np.abs(xhat) * np.abs((dy * xhat).sum(0)) / m
+    return (np.abs(invar * scale) * terms).max(0)
+
+
+def test_a_shifted_channel_is_named(tmp_path):
+    g = vectors.generate(64, 8, "fp32", seed=1)
+    dx = g.expected["dx"].astype(np.float64)
+    atol = g.tolerances["dx"]["atol"] * channel_scales_of(g, "dx") / g.tolerances["dx"]["scale"]
+    dx[:, 3] += 0.75 * atol[3]    # every element within its bound, the channel shifted
+    report = vectors.compare(g, {"dx": dx.astype(np.float32)})
+    dx_report = report.outputs[0]
+    assert dx_report.over == 0 and dx_report.shifted == 1 and dx_report.first_shifted == 3
+    assert not report.passed and "shifted as a whole" in report.format()
+    # a given tolerance applies element by element, as given
+    assert vectors.compare(g, {"dx": dx.astype(np.float32)}, atol=atol.max()).passed
+
+
+def test_compare_takes_bytes_paths_and_refuses_a_transposed_array(tmp_path):
+    out = write(tmp_path, batch=4, channel=8)
+    g = vectors.load_vectors(out)
+    assert vectors.compare(out, {"dx": bytes(out / "dx.bin")}).passed
+    assert vectors.compare(g, {"dx": g.expected["dx"].reshape(-1)}).passed
+    with pytest.raises(vectors.UnusableInputError, match=r"outputs\['dx'\]: expected shape"):
+        vectors.compare(g, {"dx": np.ascontiguousarray(g.expected["dx"].T)})

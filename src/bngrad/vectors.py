@@ -41,11 +41,17 @@ An element passes when it equals the expected value (NaN for NaN, the same infin
 exactly representable and a device that accumulates in float32 lands exactly on it (with a
 batch that is not a power of two, one that multiplies by a rounded ``1/m`` may land one ULP
 off: judge those with ``ulp=1``). ``normal`` / ``uniform`` vectors default to
-``rtol = 4 * eps`` and ``atol = 4 * eps * scale``, where ``eps`` is the machine epsilon of the
-output's dtype (float32 1.19e-7, float16 9.77e-4) and ``scale`` the largest magnitude of the
-terms behind that output (dx: ``|invar*scale| * (|dy| + |sum dy|/m + |xhat * sum dy*xhat|/m)``;
-dbias: ``sum |dy|``; dscale: ``sum |dy*xhat|``): a result that cancels can be far smaller
-than the terms it came from, and no floating-point method gets its relative error small.
+``rtol = 4 * eps`` and, per channel, ``atol_c = 4 * eps * scale_c``, where ``eps`` is the
+machine epsilon of the output's dtype (float32 1.19e-7, float16 9.77e-4) and ``scale_c`` the
+largest magnitude of the terms behind that output in channel c (dx: ``|invar*scale| * (|dy| +
+|sum dy|/m + |xhat * sum dy*xhat|/m)``; dbias: ``sum |dy|``; dscale: ``sum |dy*xhat|``): a
+result that cancels can be far smaller than the terms it came from, and no floating-point
+method gets its relative error small; and one channel's large terms must not widen another's
+bound. The manifest stores the largest channel's ``atol`` and ``scale``; :func:`compare`
+derives each channel's from the inputs. dx's channels must also not be shifted as a whole:
+the mean of a channel's errors must be within ``atol_c / 2`` (a missing term shifts every
+element of a channel alike, by less than ``atol_c`` when the batch is large). Given
+``atol``/``rtol`` or ``ulp`` apply to every element as they are, without the mean test.
 Tolerances must be finite and >= 0, whether given as arguments or read from a manifest.
 
 Files and limits
@@ -207,8 +213,10 @@ def expected_outputs(x: Any, dy: Any, mean: Any, invar: Any, scale: Any, train: 
     return {"dx": dx, "dbias": dbias, "dscale": dscale}
 
 
-def _term_scales(arrays: Mapping[str, np.ndarray], train: bool) -> dict[str, float]:
-    """Largest magnitude of the terms behind each output, float64 (see the module docstring)."""
+def _channel_term_scales(arrays: Mapping[str, np.ndarray], train: bool
+                         ) -> dict[str, np.ndarray]:
+    """Per channel, the largest magnitude of the terms behind each output, float64 (channel,)
+    (see the module docstring; terms that are not finite are left out)."""
     x, dy, mean, invar, scale = (np.asarray(arrays[n]).astype(np.float64) for n in INPUTS)
     m = x.shape[0]
     with np.errstate(invalid="ignore", over="ignore"):
@@ -219,12 +227,18 @@ def _term_scales(arrays: Mapping[str, np.ndarray], train: bool) -> dict[str, flo
             dx_terms = dx_terms + np.abs(dy.sum(0)) / m + np.abs(xhat * (dy * xhat).sum(0)) / m
         dx_terms = dx_terms * np.abs(invar * scale)
 
-    def largest(a: np.ndarray) -> float:
-        a = a[np.isfinite(a)]
-        return float(a.max()) if a.size else 0.0
+    def finite(a: np.ndarray) -> np.ndarray:
+        return np.where(np.isfinite(a), a, 0.0)
 
-    return {"dx": largest(dx_terms), "dbias": largest(np.abs(dy).sum(0)),
-            "dscale": largest(dy_xhat.sum(0))}
+    return {"dx": finite(dx_terms).max(axis=0, initial=0.0), "dbias": finite(np.abs(dy).sum(0)),
+            "dscale": finite(dy_xhat.sum(0))}
+
+
+def _term_scales(arrays: Mapping[str, np.ndarray], train: bool) -> dict[str, float]:
+    """Largest magnitude of the terms behind each output over all channels (the manifest's
+    ``scale``)."""
+    return {name: float(scales.max(initial=0.0))
+            for name, scales in _channel_term_scales(arrays, train).items()}
 
 
 def default_tolerances(arrays: Mapping[str, np.ndarray], train: bool, *, exact: bool = False
@@ -465,7 +479,8 @@ def _manifest(v: GoldenVectors, file_format: str) -> dict[str, Any]:
     else:
         defaults = (f"rtol = {TOLERANCE_FACTOR:g}*eps, atol = {TOLERANCE_FACTOR:g}*eps*scale, eps "
                     "the machine epsilon of the output dtype, scale the largest magnitude of "
-                    "the terms behind the output")
+                    "the terms behind the output in each channel (the largest channel's here; "
+                    "dx also fails where a channel's mean error exceeds half its atol)")
     return {
         "format": FORMAT_ID,
         "operator": "BatchNormGrad",
@@ -687,6 +702,17 @@ def _tolerance(name: str, value: Any) -> float:
     return float(value)
 
 
+def _tolerances(name: str, value: Any) -> np.ndarray:
+    """A tolerance, or a 1-D array of them (float64; 0-D for one value): finite, >= 0."""
+    if not isinstance(value, np.ndarray):
+        return np.asarray(_tolerance(name, value))
+    if value.ndim > 1 or value.dtype.kind not in "fiu" or not (
+            np.isfinite(value).all() and (value >= 0).all()):
+        raise ArgumentValueError(f"{name}: expected finite numbers >= 0 in a 1-D array, got "
+                                 f"{value.dtype} of shape {value.shape}")
+    return value.astype(np.float64)
+
+
 def _parse_manifest(root: Path, path: Path, m: dict[str, Any]) -> GoldenVectors:
     def bad(field: str, expected: str, value: Any) -> UnusableInputError:
         return UnusableInputError(f"vectors: {path}: {field}: expected {expected}, got "
@@ -905,10 +931,14 @@ class OutputComparison:
     criterion: str                             # the tolerance applied, in words
     worst: Optional[ElementError] = None
     failures: list[ElementError] = field(default_factory=list)
+    shifted: int = 0                           # dx: channels shifted as a whole (mean_tol)
+    first_shifted: Optional[int] = None        # the first such channel
+    shift: float = 0.0                         # its mean error over the batch
+    shift_tol: float = 0.0                     # and what it was allowed
 
     @property
     def passed(self) -> bool:
-        return self.over == 0
+        return self.over == 0 and self.shifted == 0
 
     def where(self) -> str:
         if self.first_over is None:
@@ -954,6 +984,13 @@ class ComparisonReport:
             table = [head, ("worst",) + o.worst.cells()]
             table += [(f"#{i}",) + e.cells() for i, e in enumerate(o.failures, 1)]
             lines += _table(table, "  ")
+        for o in self.outputs:
+            if o.shifted:
+                lines.append(
+                    f"{o.name}: {o.shifted} channel(s) shifted as a whole: the mean error over "
+                    f"the batch in channel {o.first_shifted} is {o.shift:.3e}, beyond "
+                    f"{o.shift_tol:.3e} (half its atol): a term missing or wrong in that "
+                    "channel's formula, not rounding")
         return "\n".join(lines + ["PASS" if self.passed else "FAIL"])
 
 
@@ -964,9 +1001,10 @@ def _show(value: Any) -> int:
     return int(value)
 
 
-def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, *, atol: float = 0.0,
-                   rtol: float = 0.0, ulp: Optional[float] = None, show: int = SHOW
-                   ) -> OutputComparison:
+def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, *,
+                   atol: Union[float, np.ndarray] = 0.0, rtol: float = 0.0,
+                   ulp: Optional[float] = None, show: int = SHOW,
+                   mean_tol: Optional[np.ndarray] = None) -> OutputComparison:
     """Errors of ``actual`` against ``expected`` (same float16/float32 dtype and shape).
 
     An element passes when it equals the expected value (NaN for NaN, the same infinity;
@@ -979,17 +1017,24 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, *, atol:
     name : str
         The output's name, for the report.
     actual, expected : numpy.ndarray
-    atol, rtol : float
+    atol : float or numpy.ndarray
+        One value, or one per channel (the last axis).
+    rtol : float
     ulp : float, optional
         Judge by :func:`ulp_distance` instead of atol/rtol.
     show : int >= 0
         How many failing elements to keep in ``failures`` (the first in row-major order).
+    mean_tol : numpy.ndarray (channel,), optional
+        For a (batch, channel) output: each channel also fails when the mean of its errors
+        (``got - expected``, over its finite elements) is beyond this in magnitude, a shift of
+        the whole channel that rounding does not make (``shifted`` in the result).
 
     Returns
     -------
     OutputComparison
     """
-    atol, rtol = _tolerance("atol", atol), _tolerance("rtol", rtol)
+    atol = _tolerances("atol", atol)
+    rtol = _tolerance("rtol", rtol)
     ulp = None if ulp is None else _tolerance("ulp", ulp)
     show = _show(show)
     expected = np.asarray(expected)
@@ -997,6 +1042,15 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, *, atol:
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         raise UnusableInputError(f"{name}: expected {expected.dtype}{expected.shape}, got "
                                  f"{actual.dtype}{actual.shape}")
+    if atol.ndim and (expected.ndim == 0 or atol.shape != expected.shape[-1:]):
+        raise ArgumentValueError(f"atol: expected one value or one per channel "
+                                 f"({expected.shape[-1:]}), got shape {atol.shape}")
+    if mean_tol is not None:
+        mean_tol = _tolerances("mean_tol", mean_tol)
+        if expected.ndim != 2 or mean_tol.shape != expected.shape[-1:]:
+            raise ArgumentValueError(f"mean_tol: expected one value per channel of a (batch, "
+                                     f"channel) output, got shape {mean_tol.shape} for "
+                                     f"{name} of shape {expected.shape}")
     act, exp = actual.astype(np.float64), expected.astype(np.float64)
     ulps = ulp_distance(expected, actual)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
@@ -1006,8 +1060,10 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, *, atol:
         rel = np.where(exp != 0, err / np.abs(exp), 0.0)
         if ulp is None:
             beyond = err - (atol + rtol * np.abs(exp))
-            criterion = ("atol=0 rtol=0 (exact)" if atol == 0 and rtol == 0
-                         else f"atol={atol:.3g} rtol={rtol:.3g}")
+            most = float(atol.max(initial=0.0))
+            criterion = ("atol=0 rtol=0 (exact)" if most == 0 and rtol == 0
+                         else f"atol={most:.3g} rtol={rtol:.3g}" if atol.ndim == 0
+                         else f"atol<={most:.3g} per channel rtol={rtol:.3g}")
         else:
             beyond = ulps - ulp
             criterion = f"ulp={ulp:g}"
@@ -1031,11 +1087,22 @@ def compare_output(name: str, actual: np.ndarray, expected: np.ndarray, *, atol:
     if exp.size and not same.all():
         worst = element(int(np.argmax(beyond.reshape(-1))))
     largest = lambda a: float(a.max()) if a.size else 0.0  # noqa: E731
+    shifts = {}
+    if mean_tol is not None and exp.size:
+        with np.errstate(invalid="ignore"):
+            signed = np.where(finite, act - exp, 0.0)
+            counted = np.maximum(finite.sum(axis=0), 1)
+            mean_err = signed.sum(axis=0) / counted
+        off = np.flatnonzero(np.abs(mean_err) > mean_tol)
+        if off.size:
+            c = int(off[0])
+            shifts = {"shifted": int(off.size), "first_shifted": c,
+                      "shift": float(mean_err[c]), "shift_tol": float(mean_tol[c])}
     return OutputComparison(
         name=name, count=int(exp.size), max_abs_err=largest(err), max_rel_err=largest(rel),
         max_ulp_err=largest(ulps), over=int(bad.size),
         first_over=element(int(bad[0])).index if bad.size else None, criterion=criterion,
-        worst=worst, failures=[element(int(i)) for i in bad[:show]])
+        worst=worst, failures=[element(int(i)) for i in bad[:show]], **shifts)
 
 
 def compare(vectors: Union[GoldenVectors, PathLike],
@@ -1048,11 +1115,12 @@ def compare(vectors: Union[GoldenVectors, PathLike],
     ----------
     vectors : GoldenVectors or path of a vectors directory
     outputs : mapping of "dx", "dbias", "dscale" to arrays or raw .bin paths
-        At least one. Arrays must have the expected dtype and batch*channel (dx) or channel
-        elements; files are raw little-endian in that dtype.
+        At least one. Arrays must have the expected dtype and shape, (batch, channel) for dx
+        and (channel,) otherwise, or be flat arrays of those elements in row-major order;
+        files are raw little-endian in that dtype.
     atol, rtol : float, optional
         Override the manifest's defaults (for every output; the one not given keeps its
-        default). Finite and >= 0.
+        default), and the defaults' per-channel rules (module docstring). Finite and >= 0.
     ulp : float, optional
         Judge by :func:`ulp_distance` instead; not together with atol/rtol. Finite and >= 0.
     show : int, default 10
@@ -1089,15 +1157,27 @@ def compare(vectors: Union[GoldenVectors, PathLike],
                 raise UnusableInputError(
                     f"{name}: expected {math.prod(shape)} {dtype.name} values, got "
                     f"{value.size} {value.dtype} values")
+            if value.ndim > 1 and value.shape != shape:  # (a transposed array, read row-major,
+                raise UnusableInputError(                # would put values in other places)
+                    f"outputs[{name!r}]: expected shape {shape} (or a flat array of its "
+                    f"{math.prod(shape)} values in row-major order), got shape {value.shape}")
             actual = value.reshape(shape)
         elif isinstance(value, (str, bytes, os.PathLike)):
-            actual = read_output(value, vectors, name)
+            actual = read_output(os.fsdecode(value), vectors, name)
         else:
             raise ArgumentTypeError(f"outputs[{name!r}]: expected a NumPy array or a file's "
                                     f"path, got {type(value).__name__}")
         default = vectors.tolerances[name]
+        given_atol: Union[float, np.ndarray] = atol if atol is not None else default["atol"]
+        mean_tol = None
+        if atol is None and rtol is None and ulp is None and default["scale"] > 0:
+            # The defaults per channel: the manifest's atol is the largest channel's, each
+            # channel's in proportion to its own terms; and dx's channels must not be
+            # shifted as a whole (module docstring).
+            channel_scales = _channel_term_scales(vectors.arrays, vectors.is_train)[name]
+            given_atol = default["atol"] * (channel_scales / default["scale"])
+            mean_tol = given_atol / 2 if name == "dx" else None
         results.append(compare_output(
-            name, actual, vectors.arrays[name], ulp=ulp, show=show,
-            atol=default["atol"] if atol is None else atol,
-            rtol=default["rtol"] if rtol is None else rtol))
+            name, actual, vectors.arrays[name], ulp=ulp, show=show, atol=given_atol,
+            rtol=default["rtol"] if rtol is None else rtol, mean_tol=mean_tol))
     return ComparisonReport(results)
