@@ -20,8 +20,12 @@ pass rule:
   A NaN or infinity where a finite value is expected always fails. The ULP
   distance counts the representable values between the two (ordered bit
   patterns; docs/dsp.md has it in C). Default atol/rtol per output come from
-  the manifest: exact equality for --dist exact vectors, a bound scaled by the
-  size of the terms otherwise. Tolerances must be finite and >= 0.
+  the manifest: exact equality for --dist exact vectors, otherwise a bound
+  scaled by the size of each channel's terms (the manifest's atol is the
+  largest channel's), and dx also fails where a channel's mean error exceeds
+  half its atol (a term missing from the formula shifts the whole channel).
+  Given --atol/--rtol apply to every element as given. Tolerances must be
+  finite and >= 0.
 
 files:
   Raw little-endian IEEE 754, no header. --dx in the data dtype (manifest
@@ -30,7 +34,8 @@ files:
 
 exit status:
   0  every element of every output given is within tolerance
-  1  some element is not (the report names the worst and the first --show)
+  1  some element is not, or a dx channel is shifted (the report names the
+     worst element, the first --show and the first shifted channel)
   2  unusable input: a missing or wrong-size file, an unreadable or altered
      vectors directory, a bad tolerance, --ulp with --atol/--rtol
 """

@@ -80,6 +80,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {entry['role']:8s} {name:6s} {entry['dtype']:7s} {shape:>9s}  {entry['file']}")
     for name, tol in manifest["tolerances"].items():
         rule = ("exact equality" if tol["atol"] == 0 and tol["rtol"] == 0
-                else f"atol {tol['atol']:.3g}, rtol {tol['rtol']:.3g}")
+                else f"atol {tol['atol']:.3g} (the largest channel's), rtol {tol['rtol']:.3g}")
         print(f"  default tolerance {name}: {rule}")
     return 0
