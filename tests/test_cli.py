@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -41,6 +42,33 @@ def test_flag_message_rewrites_only_known_leading_names():
     assert cli.flag_message(ArgumentValueError("batch, channel: too big"), flags) == \
         "--batch, --channel: too big"
     assert cli.flag_message(ArgumentValueError("vectors: x: y"), flags) == "vectors: x: y"
+
+
+@pytest.mark.parametrize("command", [
+    ["vectors", "--batch", "2", "--channel", "4", "--dtype", "fp32"],
+    ["vectors", "--suite", "dsp"],
+    ["dsp-kit"],
+], ids=["vectors", "vectors-suite", "dsp-kit"])
+@pytest.mark.parametrize("below", ["sub", "a/b"])
+def test_out_under_a_file_names_the_flag(tmp_path, capsys, command, below):
+    """`--out file.bin/sub` said Python's `[Errno 20] Not a directory: 'file.bin/sub'`, without
+    the flag."""
+    (tmp_path / "file.bin").write_bytes(b"")
+    out = str(tmp_path / "file.bin" / below)
+    assert main([*command, "--out", out]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (f"bngrad {command[0]}: error: --out: cannot write to {out}: Not a "
+                            f"directory ({tmp_path / 'file.bin'} is not a directory)\n")
+
+
+def test_path_message_names_the_flag_the_path_and_the_reason():
+    missing = FileNotFoundError(errno.ENOENT, "No such file or directory", "/proc/x")
+    assert cli.path_message(missing, "--out", "/proc/x/y") == \
+        "--out: cannot write to /proc/x/y: No such file or directory (/proc/x)"
+    refused = PermissionError(errno.EACCES, "Permission denied", "ro/v")
+    assert cli.path_message(refused, "--out", "ro/v") == \
+        "--out: cannot write to ro/v: Permission denied"
 
 
 class _ClosedPipe:

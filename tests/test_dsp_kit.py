@@ -2,14 +2,17 @@
 
 The kit is built with the system C compiler into tmp_path and run on a few cases of the suite;
 a reference made wrong on purpose (one ULP in one element, one channel never written) fails
-with its case and element named; the float16 conversion agrees with NumPy's bit for bit; a
-malformed case directory is an error naming the file, not a crash. `make dsp-check` runs the
-whole suite, under ASan/UBSan too.
+with its case and element named, one that writes past a buffer is BROKE, and a case the harness
+skipped or never reached is MISSING, never judged on an earlier run's outputs; the kit's
+Makefile rebuilds when the implementation or the flags change; the float16 conversion agrees
+with NumPy's bit for bit; a malformed case directory is an error naming the file, not a crash.
+`make dsp-check` runs the whole suite, under ASan/UBSan too.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 
@@ -20,7 +23,9 @@ from bngrad import dsp_suite, vectors
 from bngrad.cli import main
 
 CC = shutil.which("cc") or shutil.which("gcc")
+MAKE, AR = shutil.which("make"), shutil.which("ar")
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler")
+needs_make = pytest.mark.skipif(None in (CC, MAKE, AR), reason="no C compiler, make or ar")
 STRICT = ["-std=c99", "-O1", "-Wall", "-Wextra", "-Werror", "-pedantic"]
 BY_NAME = {case.name: case for case in dsp_suite.CASES}
 # a few cases that touch every function, both parameter types and each kind of data
@@ -66,6 +71,15 @@ def suite(tmp_path, names=FEW):
     return out
 
 
+def verdicts(root, capsys):
+    """dsp-check's verdict for each case of ``root``, in order (its output is kept in
+    ``verdicts.out``)."""
+    capsys.readouterr()
+    main(["dsp-check", str(root)])
+    verdicts.out = capsys.readouterr().out
+    return [line.split()[0] for line in verdicts.out.splitlines()[:-1]]
+
+
 # --------------------------------------------------------------------------- the suite
 
 def test_suite_covers_the_issue_and_stays_small(tmp_path):
@@ -107,6 +121,7 @@ def test_suite_refuses_to_overwrite_and_force_removes_stale_outputs(tmp_path, ca
     root = suite(tmp_path, FEW[:2])
     stale = root / FEW[0] / "dx.out.bin"
     stale.write_bytes(b"old")
+    (root / FEW[1] / "broke.txt").write_text("fp_batch_norm_grad_p wrote into input x\n")
     before = (root / FEW[0] / "x.bin").read_bytes()
     assert main(["vectors", "--suite", "dsp", "--out", str(root)]) == 2
     assert "--force" in capsys.readouterr().err and stale.exists()
@@ -114,6 +129,7 @@ def test_suite_refuses_to_overwrite_and_force_removes_stale_outputs(tmp_path, ca
     assert "--batch: not used with --suite" in capsys.readouterr().err
     dsp_suite.write_suite(root, overwrite=True, cases=[BY_NAME[n] for n in FEW[:2]])
     assert not stale.exists() and (root / FEW[0] / "x.bin").read_bytes() == before
+    assert not (root / FEW[1] / "broke.txt").exists()
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "fp32"])
@@ -190,8 +206,8 @@ int main(int argc, char **argv) {
 @needs_cc
 def test_kit_builds_strict_and_passes_its_cases(kit, harnesses, tmp_path, capsys):
     root = suite(tmp_path)
-    for exe in harnesses:
-        run = harness(exe, root)
+    for args in ([harnesses[0]], [harnesses[1], "-k"]):   # as `make run`: -k keeps the
+        run = harness(*args, root)                          # first build's outputs
         assert run.returncode == 0, run.stderr
     assert main(["dsp-check", str(root)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -263,6 +279,143 @@ def test_wrong_reference_fails_with_case_and_element_named(kit, tmp_path, capsys
     assert out.splitlines()[-1] == "4 cases: 2 PASS, 2 FAIL"
 
 
+STOPS = r"""
+/* The host reference, except that fp_batch_norm_grad_p stops the harness, as a crash would
+   (exit, not a signal: no core file). */
+#include <stdlib.h>
+#define fp_batch_norm_grad_p ref_fp_batch_norm_grad_p
+#include "batchnormgrad_ref.c"
+#undef fp_batch_norm_grad_p
+void fp_batch_norm_grad_p(float *x, float *dy, float *dx, long long *params);
+
+void fp_batch_norm_grad_p(float *x, float *dy, float *dx, long long *params)
+{
+    (void)x, (void)dy, (void)dx, (void)params;
+    exit(99);
+}
+"""
+
+OVERRUN = r"""
+/* The host reference, except that fp_batch_norm_grad_s writes one element past the end of dx
+   and fp_batch_norm_grad_p into its input x. */
+#define fp_batch_norm_grad_s ref_fp_batch_norm_grad_s
+#define fp_batch_norm_grad_p ref_fp_batch_norm_grad_p
+#include "batchnormgrad_ref.c"
+#undef fp_batch_norm_grad_s
+#undef fp_batch_norm_grad_p
+void fp_batch_norm_grad_s(float *x, float *dy, float *dx, long long *params, int core_mask);
+void fp_batch_norm_grad_p(float *x, float *dy, float *dx, long long *params);
+
+void fp_batch_norm_grad_s(float *x, float *dy, float *dx, long long *params, int core_mask)
+{
+    ref_fp_batch_norm_grad_s(x, dy, dx, params, core_mask);
+    dx[params[5] * params[6]] = 0.0f;
+}
+
+void fp_batch_norm_grad_p(float *x, float *dy, float *dx, long long *params)
+{
+    ref_fp_batch_norm_grad_p(x, dy, dx, params);
+    x[0] += 1.0f;
+}
+"""
+
+
+@needs_cc
+def test_cases_skipped_or_never_reached_are_missing(kit, harnesses, tmp_path, capsys):
+    """The harness left an earlier run's outputs in place for a case it skipped (-DBNG_NO_HP,
+    the FT78NE build) or never reached (the library stopped it before), and dsp-check passed
+    cases the library never ran."""
+    root = suite(tmp_path, FEW[:4])     # fp32 _s, fp32 _p, fp16 _s, fp16 _p
+
+    def reference_run():
+        assert harness(harnesses[0], root).returncode == 0
+        assert verdicts(root, capsys) == ["PASS"] * 4
+
+    reference_run()
+    run = harness(build(kit, tmp_path / "no_hp", defines=["-DBNG_NO_HP"]), root)
+    assert run.returncode == 0 and run.stdout.count("skip   ") == 2
+    assert verdicts(root, capsys) == ["PASS", "PASS", "MISSING", "MISSING"]
+    assert (f"MISSING {FEW[2]}  no dx.out.bin, dbias.out.bin, dscale.out.bin: not run (the "
+            "harness skipped this case, saying why, or stopped before it") in verdicts.out
+
+    reference_run()
+    (tmp_path / "stops.c").write_text(STOPS)
+    stops = build(kit, tmp_path / "stops", tmp_path / "stops.c", "bng_half.c")
+    assert harness(stops, root).returncode == 99
+    assert verdicts(root, capsys) == ["PASS", "MISSING", "MISSING", "MISSING"]
+
+    # the hp_ cases with float16 parameters are the first build's: the second keeps their
+    # outputs with -k (as `make run` runs it), and only then
+    reference_run()
+    assert harness(harnesses[1], "-k", root).returncode == 0
+    assert verdicts(root, capsys) == ["PASS"] * 4
+    assert harness(harnesses[1], root).returncode == 0
+    assert verdicts(root, capsys) == ["PASS", "PASS", "MISSING", "MISSING"]
+
+
+@needs_cc
+def test_a_write_past_a_buffer_is_broke_in_dsp_check(kit, harnesses, tmp_path, capsys):
+    """The harness caught a write past the end of dx (its message cut off before the buffer's
+    name) and exited 1, but left only correct outputs behind: dsp-check said PASS, and from a
+    board, where only the files come back, nothing else told."""
+    (tmp_path / "overrun.c").write_text(OVERRUN)
+    exe = build(kit, tmp_path / "overrun", tmp_path / "overrun.c", "bng_half.c")
+    root = suite(tmp_path, FEW[:2])     # fp32 _s, fp32 _p
+    run = harness(exe, root)
+    assert run.returncode == 1
+    assert f"broke  {root / FEW[0]}: fp_batch_norm_grad_s wrote past the end of dx\n" in run.stdout
+    assert f"broke  {root / FEW[1]}: fp_batch_norm_grad_p wrote into input x\n" in run.stdout
+    assert (root / FEW[0] / "broke.txt").read_text() == \
+        "fp_batch_norm_grad_s wrote past the end of dx\n"
+    assert verdicts(root, capsys) == ["BROKE", "BROKE"]
+    lines = verdicts.out.splitlines()
+    assert lines[0] == (f"BROKE   {FEW[0]}  fp_batch_norm_grad_s wrote past the end of dx (the "
+                        "harness's broke.txt)")
+    assert "fp_batch_norm_grad_p wrote into input x" in lines[1]
+    assert lines[-1] == "2 cases: 2 BROKE"
+    assert main(["dsp-check", str(root)]) == 1
+    capsys.readouterr()
+    # the next run starts clean
+    assert harness(harnesses[0], root).returncode == 0
+    assert not (root / FEW[0] / "broke.txt").exists()
+    assert verdicts(root, capsys) == ["PASS", "PASS"]
+
+
+@needs_make
+def test_make_rebuilds_when_the_implementation_or_flags_change(tmp_path, capsys):
+    """After a build of the reference, `make IMPL=wrong.c` with wrong.c older than the harness
+    said "Nothing to be done", and a library named only in LDLIBS was never relinked: the
+    reference was tested again, a false PASS on every case."""
+    kit = tmp_path / "kit"
+    assert main(["dsp-kit", "--out", str(kit)]) == 0
+    root = suite(tmp_path, FEW[:4])     # all four run by bng_harness (hp_ parameters half)
+    (kit / "wrong.c").write_text(WRONG)
+    os.utime(kit / "wrong.c", (1e9, 1e9))     # 2001: older than any harness built here
+    for lib, source in (("ref", "batchnormgrad_ref.c"), ("wrong", "wrong.c")):
+        subprocess.run([CC, "-std=c99", "-O1", "-c", source, "bng_half.c"], cwd=kit, check=True)
+        subprocess.run([AR, "rcs", f"lib{lib}.a", source[:-1] + "o", "bng_half.o"], cwd=kit,
+                       check=True)
+    harness_exe = kit / "bng_harness"
+
+    def make_and_run(*settings):
+        done = subprocess.run([MAKE, "-C", str(kit), "bng_harness", *settings],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert harness(harness_exe, root).returncode == 0
+        return verdicts(root, capsys)
+
+    wrong = ["PASS", "FAIL", "FAIL", "PASS"]
+    assert make_and_run() == ["PASS"] * 4
+    assert make_and_run("IMPL=wrong.c bng_half.c") == wrong
+    built = harness_exe.stat().st_mtime_ns
+    assert make_and_run("IMPL=wrong.c bng_half.c") == wrong
+    assert harness_exe.stat().st_mtime_ns == built      # the same settings: no rebuild
+    assert make_and_run("IMPL=", "LDLIBS=-L. -lref -lm") == ["PASS"] * 4
+    assert make_and_run("IMPL=", "LDLIBS=-L. -lwrong -lm") == wrong
+    assert make_and_run("IMPL=", "LDLIBS=-L. -lwrong -lm", "CFLAGS=-std=c99 -O0") == wrong
+    assert harness_exe.stat().st_mtime_ns != built
+
+
 @needs_cc
 def test_harness_refuses_malformed_case_directories(harnesses, tmp_path):
     exe = harnesses[0]
@@ -305,7 +458,7 @@ def test_dsp_check_says_missing_and_unusable(tmp_path, capsys):
     assert main(["dsp-check", str(root)]) == 1
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()] == ["MISSING", "MISSING", "2"]
-    assert "no dx.out.bin, dbias.out.bin, dscale.out.bin (run the harness" in out
+    assert "no dx.out.bin, dbias.out.bin, dscale.out.bin: not run (the harness" in out
     for name in FEW[:2]:
         for output, file in dsp_suite.OUTPUT_FILES.items():
             shutil.copy(root / name / f"{output}.bin", root / name / file)

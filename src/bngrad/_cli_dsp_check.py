@@ -1,8 +1,9 @@
 """`bngrad dsp-check`: compare the C harness's outputs for every case of a vector suite
 (glue over bngrad.dsp_suite), one line per case.
 
-Exit status: 0 every case passes, 1 some case fails or has no outputs, 2 unusable input (no
-index, or a case whose outputs or vectors cannot be read: its line says ERROR).
+Exit status: 0 every case passes, 1 some case fails, broke a buffer or has no outputs, 2
+unusable input (no index, or a case whose outputs or vectors cannot be read: its line says
+ERROR).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from . import dsp_suite, vectors
 EPILOG = """\
 Each case directory must hold the harness's dx.out.bin, dbias.out.bin and dscale.out.bin
 (bng_harness from `bngrad dsp-kit` writes them). A case passes when `bngrad compare` with the
-case's default tolerances passes for all three outputs.
+case's default tolerances passes for all three outputs. A case where the harness left
+broke.txt (the function wrote past the end of an output or into an input) is BROKE, whatever
+its outputs hold. A case without outputs is MISSING: the harness skipped it (and said why) or
+stopped before it (a crash), or was not run on it.
 
 exit status:
   0  every case passes
-  1  some case FAILs (an element beyond tolerance) or is MISSING (no outputs)
+  1  some case FAILs (an element beyond tolerance), BROKE a buffer or is MISSING (no outputs)
   2  unusable input: no index.txt, or a case is in ERROR (wrong-size output, altered vectors)
 """
 
@@ -52,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
         if args.report and result.report is not None and not result.passed:
             print("\n".join("    " + line for line in result.report.format().splitlines()))
     counts = Counter(r.status for r in results)
-    print(f"{len(results)} cases: " + ", ".join(f"{counts[s]} {s}" for s in
-                                                 ("PASS", "FAIL", "MISSING", "ERROR")
+    verdicts = ("PASS", "FAIL", "BROKE", "MISSING", "ERROR")
+    print(f"{len(results)} cases: " + ", ".join(f"{counts[s]} {s}" for s in verdicts
                                                  if counts[s]))
     if counts["ERROR"]:
         return 2

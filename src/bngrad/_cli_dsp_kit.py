@@ -9,6 +9,7 @@ import argparse
 import sys
 
 from . import dsp_suite, vectors
+from .cli import path_message
 from .errors import BngradError
 
 
@@ -25,7 +26,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"bngrad dsp-kit: error: {e.directory} already holds {', '.join(e.present)}; "
               "pass --force to replace them", file=sys.stderr)
         return 2
-    except (BngradError, OSError) as e:
+    except OSError as e:    # all that is written is under --out
+        print(f"bngrad dsp-kit: error: {path_message(e, '--out', args.out)}", file=sys.stderr)
+        return 2
+    except BngradError as e:
         print(f"bngrad dsp-kit: error: {str(e).replace('out_dir:', '--out:', 1)}",
               file=sys.stderr)
         return 2

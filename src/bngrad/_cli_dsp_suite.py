@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from . import dsp_suite, vectors
+from .cli import path_message
 from .errors import BngradError
 
 
@@ -37,7 +38,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"bngrad vectors: error: {e.directory} already holds a vector suite; pass "
               "--force to replace it", file=sys.stderr)
         return 2
-    except (BngradError, OSError) as e:
+    except OSError as e:    # all that is written is under --out
+        print(f"bngrad vectors: error: {path_message(e, '--out', args.out)}", file=sys.stderr)
+        return 2
+    except BngradError as e:
         print(f"bngrad vectors: error: {str(e).replace('out_dir:', '--out:', 1)}",
               file=sys.stderr)
         return 2

@@ -9,7 +9,7 @@ import argparse
 import sys
 
 from . import _cli_dsp_suite, vectors
-from .cli import flag_message
+from .cli import flag_message, path_message
 from .errors import BngradError
 
 # Python argument names in bngrad.vectors' messages -> this command's flags
@@ -64,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"bngrad vectors: error: {e.directory} already holds golden vectors "
               f"({', '.join(e.present)}); pass --force to replace them", file=sys.stderr)
         return 2
-    except (BngradError, OSError) as e:
+    except OSError as e:    # all that is written is under --out
+        print(f"bngrad vectors: error: {path_message(e, '--out', args.out)}", file=sys.stderr)
+        return 2
+    except BngradError as e:
         print(f"bngrad vectors: error: {flag_message(e, FLAGS)}", file=sys.stderr)
         return 2
     except MemoryError:

@@ -10,9 +10,11 @@ stops quietly with exit status 141, as a tool killed by SIGPIPE does, instead of
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import sys
 from importlib import import_module
+from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
 # subcommand -> (module with add_arguments/run, one-line help)
@@ -52,6 +54,20 @@ def flag_message(error: BaseException, flags: Mapping[str, str]) -> str:
     names = [n.strip() for n in head.split(",")]
     if sep and all(n in flags for n in names):
         return ", ".join(flags[n] for n in names) + sep + rest
+    return text
+
+
+def path_message(error: OSError, flag: str, path: str) -> str:
+    """``error``, met writing under ``path`` (given as ``flag``), as one line that names the
+    flag, the path and the reason (``--out: cannot write to a.bin/v: Not a directory (a.bin is
+    not a directory)``) instead of Python's ``[Errno 20] Not a directory: 'a.bin/v'``."""
+    text = f"{flag}: cannot write to {path}: {error.strerror or error}"
+    culprit = error.filename
+    if error.errno == errno.ENOTDIR:    # which part of the path is a file
+        culprit = next((f"{p} is not a directory" for p in Path(path).parents
+                        if os.path.exists(p) and not os.path.isdir(p)), culprit)
+    if culprit is not None and str(culprit) != path:
+        text += f" ({culprit})"
     return text
 
 

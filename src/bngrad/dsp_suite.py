@@ -6,8 +6,9 @@ each a golden-vectors directory as ``bngrad vectors`` writes it plus ``case.txt`
 as ``key value`` lines that a C program reads without a JSON parser (which function, its
 core_mask, sizes, dtypes). ``DIR/index.txt`` lists the case directories, one per line. The C
 harness of ``bngrad dsp-kit`` runs each case and writes ``dx.out.bin``, ``dbias.out.bin`` and
-``dscale.out.bin`` beside the vectors; ``bngrad dsp-check DIR`` (:func:`check_suite`)
-compares them all, one line per case.
+``dscale.out.bin`` beside the vectors (and ``broke.txt`` where the function wrote past an output
+or into an input); ``bngrad dsp-check DIR`` (:func:`check_suite`) judges them all, one line per
+case.
 
 The cases (:data:`CASES`, about 60, 3 MB, written in a few seconds) cover the two C examples
 of the operator reference (fp32 and fp16, as written and with exact data), channel counts at
@@ -42,6 +43,9 @@ CASE_FILE = "case.txt"
 CASE_FORMAT = "bngrad-dsp-case/1"
 #: output -> the file the C harness writes it to, in the case directory
 OUTPUT_FILES = {name: f"{name}.out.bin" for name in vectors.OUTPUTS}
+#: what the harness writes in a case directory where the function wrote past an output or into
+#: an input, one line per buffer: the only trace of it when the outputs come back from a board
+BROKE_FILE = "broke.txt"
 SUITES = ("dsp",)
 #: the C kit `bngrad dsp-kit` writes (package data in bngrad/dsp_kit)
 KIT_FILES = ("README.txt", "Makefile", "batchnormgrad.h", "bng_harness.c", "batchnormgrad_ref.c",
@@ -230,9 +234,10 @@ def write_suite(out_dir: PathLike, suite: str = "dsp", *, overwrite: bool = Fals
         Only these (e.g. a few of :data:`CASES` for a small board); default all of the suite.
     overwrite : bool
         Replace a suite already there (``index.txt``, and per case the files
-        ``bngrad vectors`` writes, ``case.txt`` and the harness's ``*.out.bin``, which would
-        otherwise be stale); no other file is touched. Without it, a directory that holds
-        ``index.txt`` or any case's vectors is refused before anything is written.
+        ``bngrad vectors`` writes, ``case.txt`` and the harness's ``*.out.bin`` and
+        ``broke.txt``, which would otherwise be stale); no other file is touched. Without it,
+        a directory that holds ``index.txt`` or any case's vectors is refused before anything
+        is written.
 
     Raises
     ------
@@ -272,7 +277,7 @@ def write_suite(out_dir: PathLike, suite: str = "dsp", *, overwrite: bool = Fals
                                 "exercises": case.exercises()}
         _write_text(case_dir / vectors.MANIFEST, json.dumps(manifest, indent=2) + "\n")
         _write_text(case_dir / CASE_FILE, case_text(case))
-        for name in OUTPUT_FILES.values():      # outputs of an earlier run are stale now
+        for name in (*OUTPUT_FILES.values(), BROKE_FILE):   # an earlier run's are stale now
             stale = case_dir / name
             if stale.is_symlink() or stale.is_file():
                 stale.unlink()
@@ -349,8 +354,10 @@ def read_index(suite_dir: PathLike) -> list[str]:
 
 @dataclass
 class CaseResult:
-    """One case's verdict: ``status`` PASS, FAIL (outputs beyond tolerance), MISSING (no
-    outputs from the harness) or ERROR (unusable: a wrong-size output, corrupt vectors)."""
+    """One case's verdict: ``status`` PASS, FAIL (outputs beyond tolerance), BROKE (the
+    harness's ``broke.txt``: the function wrote past an output or into an input), MISSING (no
+    outputs from the harness: it skipped the case or stopped before it) or ERROR (unusable: a
+    wrong-size output, corrupt vectors)."""
 
     name: str
     status: str
@@ -377,14 +384,37 @@ def _summary(report: vectors.ComparisonReport) -> str:
     return ", ".join(f"{o.name} max {o.max_ulp_err:.4g} ULP" for o in report.outputs)
 
 
+def _broke(root: Path) -> Optional[str]:
+    """What ``broke.txt`` in the case says the function broke (one line), None without one.
+
+    Raises ``vectors.UnusableInputError`` or ``OSError`` where it cannot be read."""
+    if not os.path.lexists(root / BROKE_FILE):
+        return None
+    with open(vectors._inside(root, BROKE_FILE, BROKE_FILE), "rb") as f:
+        text = f.read(2000).decode("utf-8", "replace")     # the harness writes a few lines
+    lines = ["".join(c if c.isprintable() else "?" for c in line.strip())
+             for line in text.splitlines()]
+    return "; ".join(line for line in lines if line) or f"{BROKE_FILE} is empty"
+
+
 def check_case(case_dir: PathLike, show: int = vectors.SHOW) -> CaseResult:
     """Compare the harness's outputs in ``case_dir`` with its golden vectors."""
     root = Path(case_dir)
+    try:
+        broke = _broke(root)
+    except vectors.UnusableInputError as e:     # a link out of the case
+        return CaseResult(root.name, "ERROR", str(e))
+    except OSError as e:
+        return CaseResult(root.name, "ERROR", f"{BROKE_FILE}: cannot read {root / BROKE_FILE}: "
+                                              f"{e.strerror or e}")
+    if broke is not None:   # whatever the outputs hold, the function wrote where it must not
+        return CaseResult(root.name, "BROKE", f"{broke} (the harness's {BROKE_FILE})")
     files = {name: root / file for name, file in OUTPUT_FILES.items()}
     missing = [f.name for f in files.values() if not f.exists()]
     if missing:
-        return CaseResult(root.name, "MISSING", f"no {', '.join(missing)} (run the harness "
-                                                "on this case)")
+        return CaseResult(root.name, "MISSING", f"no {', '.join(missing)}: not run (the harness "
+                                                "skipped this case, saying why, or stopped "
+                                                "before it, or was not run on it)")
     try:
         for name, file in OUTPUT_FILES.items():  # read inside the case, as its vectors are
             vectors._inside(root, file, name)

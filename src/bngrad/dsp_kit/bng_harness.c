@@ -1,7 +1,7 @@
 /*
  * bng_harness.c: runs BatchNormGrad on bngrad's golden vectors and writes what it computed.
  *
- *     bng_harness DIR...
+ *     bng_harness [-k] DIR...
  *
  * Each DIR is a case (it holds case.txt) or a suite (it holds index.txt, one case directory
  * name per line). For each case the harness reads case.txt and the inputs x.bin, dy.bin,
@@ -9,13 +9,21 @@
  * names (with its core_mask for the _s functions), and writes dx.out.bin, dbias.out.bin and
  * dscale.out.bin beside them; `bngrad dsp-check SUITE` (or `bngrad compare`) judges those.
  *
+ * Before running any case, the harness removes the outputs (and broke.txt) an earlier run left
+ * in every case it was given, so that a case it skips, or never reaches because the library
+ * crashed, has no outputs and dsp-check says MISSING instead of judging stale files. -k keeps
+ * them for the hp_ cases of the other parameter type (see batchnormgrad.h): `make run` runs
+ * the second build with -k, so that it leaves the first build's outputs in place.
+ *
  * Files are raw little-endian IEEE 754 without a header, row-major [batch][channel]; the
  * harness converts on a big-endian target. Every size is checked: a file that is shorter or
  * longer than case.txt says, or a malformed case.txt, is an error naming the file.
  *
  * Outputs start as NaN, so an element the function never writes shows up in the comparison,
  * and a guard zone after every output and a copy of every input catch a write past the end
- * or into an input.
+ * or into an input. Such a case also gets broke.txt, one line per buffer (e.g.
+ * "fp_batch_norm_grad_s wrote past the end of dx"), which dsp-check reports as BROKE: on a
+ * board only the files come back, not what the harness printed.
  *
  * Exit status: 0 every case ran (or was skipped, said on stdout), 1 a function wrote past an
  * output or into an input, 2 unusable input (the message names the case and file).
@@ -54,10 +62,13 @@
 #define GUARD 64                    /* elements after every output buffer */
 #define GUARD_BYTE 0xa5
 #define LINE_MAX_LEN 512
+#define BROKE_FILE "broke.txt"      /* what a function broke, for dsp-check */
 
 enum { OK = 0, BROKE = 1, UNUSABLE = 2 };
 
 static long cases_ran, cases_skipped;   /* for the summary line */
+static int keep_other;  /* -k: leave the outputs of the other hp_ parameter type's cases */
+static int quiet;       /* while clearing before the run: its errors are said by the run */
 
 struct bng_case {
     const char *dir;
@@ -68,7 +79,8 @@ struct bng_case {
 
 static int fail(const char *dir, const char *what, const char *message)
 {
-    fprintf(stderr, "error  %s: %s: %s\n", dir, what, message);
+    if (!quiet)
+        fprintf(stderr, "error  %s: %s: %s\n", dir, what, message);
     return UNUSABLE;
 }
 
@@ -358,17 +370,64 @@ static const char *const files[NBUF] = {"x.bin", "dy.bin", "mean.bin", "invar.bi
 static const char *const names[NBUF] = {"x", "dy", "mean", "invar", "scale", "dx", "dbias",
                                         "dscale"};
 
+/* an hp_ case of the parameter type this build does not take: the other build runs it */
+static int other_params(const struct bng_case *k)
+{
+    return k->function[0] == 'h' && strcmp(k->param_dtype, BNG_HP_PARAM_DTYPE) != 0;
+}
+
+/* Removes the outputs and broke.txt of an earlier run (k: the case, NULL if unusable), so that
+ * dsp-check finds none where this run writes none. With -k, a case of the other hp_ parameter
+ * type keeps them: the other build of `make run` wrote them just before. */
+static int clear_case(const char *dir, const struct bng_case *k)
+{
+    int i, status = OK;
+    if (keep_other && k && other_params(k))
+        return OK;
+    for (i = DX; i <= NBUF; i++) {
+        const char *name = i < NBUF ? files[i] : BROKE_FILE;
+        char *path = join(dir, name), msg[160];
+        if (!path)
+            return fail(dir, name, "out of memory");
+        if (remove(path) != 0 && errno != ENOENT) {
+            sprintf(msg, "cannot remove this file of an earlier run: %.100s", strerror(errno));
+            status = fail(dir, name, msg);
+        }
+        free(path);
+    }
+    return status;
+}
+
+/* writes text as dir/BROKE_FILE */
+static int write_broke(const char *dir, const char *text)
+{
+    char *path = join(dir, BROKE_FILE);
+    FILE *f = path ? fopen(path, "w") : NULL;
+    int status = OK;
+    if (!f) {
+        status = fail(dir, BROKE_FILE, path ? strerror(errno) : "out of memory");
+    } else {
+        int bad = fputs(text, f) == EOF;
+        if (fclose(f) != 0 || bad)
+            status = fail(dir, BROKE_FILE, "write error");
+    }
+    free(path);
+    return status;
+}
+
 static int run_case(const char *dir)
 {
     struct bng_case k;
     unsigned char *buf[NBUF] = {0}, *copy[DX] = {0};
     size_t count[NBUF], size[NBUF], i;
     long long params[BNG_PARAMS_LEN];
-    int status, hp, shared;
-    char msg[160];
+    int status, cleared, hp, shared;
+    char broke[NBUF * 96] = "";
 
-    if ((status = read_case(dir, &k)) != OK)
-        return status;
+    status = read_case(dir, &k);
+    cleared = clear_case(dir, status == OK ? &k : NULL);  /* again: now its errors are said */
+    if (status != OK || cleared != OK)
+        return status != OK ? status : cleared;
     hp = k.function[0] == 'h';
     shared = k.function[strlen(k.function) - 1] == 's';
 #ifdef BNG_NO_FP
@@ -385,7 +444,7 @@ static int run_case(const char *dir)
         return OK;
     }
 #endif
-    if (hp && strcmp(k.param_dtype, BNG_HP_PARAM_DTYPE) != 0) {
+    if (other_params(&k)) {
         printf("skip   %s: hp_ parameters in %s; this build's hp_ takes %s (%s)\n", dir,
                k.param_dtype, BNG_HP_PARAM_DTYPE,
                hp && strcmp(k.param_dtype, "fp32") == 0 ? "build with -DBNG_HP_PARAMS_FLOAT"
@@ -437,15 +496,26 @@ static int run_case(const char *dir)
 #endif
     (void)shared;
 
-    for (i = DX; i < NBUF; i++)
-        if ((status = write_le(dir, files[i], buf[i], count[i], size[i])) != OK)
-            goto done;
     for (i = 0; i < NBUF; i++) {
         if (i >= DX ? !guard_intact(buf[i], count[i], size[i])
                     : memcmp(copy[i], buf[i], count[i] * size[i]) != 0) {
-            sprintf(msg, "%s wrote %s", k.function, i >= DX ? "past the end of" : "into input");
-            printf("broke  %s: %s: %s\n", dir, names[i], msg);
+            char *line = broke + strlen(broke);
+            sprintf(line, "%s wrote %s %s\n", k.function,
+                    i >= DX ? "past the end of" : "into input", names[i]);
+            printf("broke  %s: %s", dir, line);
             status = BROKE;
+        }
+    }
+    /* broke.txt before the outputs: outputs without it would read as a clean run */
+    if (status == BROKE && write_broke(dir, broke) != OK) {
+        status = UNUSABLE;
+        goto done;
+    }
+    for (i = DX; i < NBUF; i++) {
+        int wrote = write_le(dir, files[i], buf[i], count[i], size[i]);
+        if (wrote != OK) {
+            status = wrote;
+            goto done;
         }
     }
     cases_ran++;
@@ -470,7 +540,8 @@ static int exists(const char *dir, const char *name)
     return f != NULL;
 }
 
-static int run_suite(const char *dir)
+/* each(case directory) for every case index.txt lists, in its order */
+static int walk_suite(const char *dir, int (*each)(const char *))
 {
     char line[LINE_MAX_LEN], msg[LINE_MAX_LEN + 64], *key, *value, *path;
     int got, lineno = 0, status = OK, cases = 0;
@@ -508,7 +579,7 @@ static int run_suite(const char *dir)
             status = fail(dir, "index.txt", "out of memory");
             break;
         }
-        one = run_case(case_dir);
+        one = each(case_dir);
         status = one > status ? one : status;
         cases++;
         free(case_dir);
@@ -521,19 +592,43 @@ static int run_suite(const char *dir)
     return status;
 }
 
+/* each(case directory) for dir, a case or a suite */
+static int walk(const char *dir, int (*each)(const char *))
+{
+    return exists(dir, "case.txt") ? each(dir)
+           : exists(dir, "index.txt") ? walk_suite(dir, each)
+           : fail(dir, "case.txt", "no case.txt (a case) or index.txt (a suite)");
+}
+
+/* clear_case for a case as run_case will see it */
+static int prepare_case(const char *dir)
+{
+    struct bng_case k;
+    return clear_case(dir, read_case(dir, &k) == OK ? &k : NULL);
+}
+
 int main(int argc, char *argv[])
 {
-    int i, status = OK;
+    int i, first = 1, status = OK;
 
-    if (argc < 2) {
-        fprintf(stderr, "usage: %s DIR...  (a case directory with case.txt, or a suite with "
-                        "index.txt)\n", argv[0]);
+    if (argc > 1 && strcmp(argv[1], "-k") == 0) {
+        keep_other = 1;
+        first = 2;
+    }
+    if (argc <= first) {
+        fprintf(stderr, "usage: %s [-k] DIR...  (a case directory with case.txt, or a suite "
+                        "with index.txt; -k keeps the outputs of the hp_ cases of the other "
+                        "parameter type)\n", argv[0]);
         return UNUSABLE;
     }
-    for (i = 1; i < argc; i++) {
-        int one = exists(argv[i], "case.txt") ? run_case(argv[i])
-                  : exists(argv[i], "index.txt") ? run_suite(argv[i])
-                  : fail(argv[i], "case.txt", "no case.txt (a case) or index.txt (a suite)");
+    /* every case's old outputs go first, so that a crash leaves the cases after it MISSING;
+       quietly, as the run says the same errors again */
+    quiet = 1;
+    for (i = first; i < argc; i++)
+        walk(argv[i], prepare_case);
+    quiet = 0;
+    for (i = first; i < argc; i++) {
+        int one = walk(argv[i], run_case);
         status = one > status ? one : status;
     }
     printf("%ld cases ran, %ld skipped%s\n", cases_ran, cases_skipped,
