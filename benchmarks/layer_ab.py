@@ -11,6 +11,9 @@ contender. For each shape, NCHW and NHWC, float32, it prints new/old time of
 - ``bt f+b``: ``bngrad.torch.functional.batch_norm`` forward + ``backward()``,
 
 and ``bt f+b`` over PyTorch's ``F.batch_norm`` forward + ``backward()``, new and old.
+``--cold`` streams 128 MiB through the caches before each timed call, as the layers around a
+batch norm do in a model, where a call's Python costs several times what it does in a loop
+(benchmarks/results/2026-12-02-session20.txt).
 
     .venv/bin/python benchmarks/layer_ab.py --rev HEAD
     .venv/bin/python benchmarks/layer_ab.py --rev c5189fc --shapes 64,64,8,8 16,512,7,7
@@ -60,17 +63,19 @@ def build_old(rev: str, root: str) -> str:
     return out
 
 
-def _best(fn: Callable[[], Any], calls: int) -> float:
+def _best(fn: Callable[[], Any], calls: int, evict: Callable[[], Any] = lambda: None
+          ) -> float:
     best = float("inf")
     for _ in range(calls):
+        evict()
         t = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def measure(shape: tuple, channels_last: bool, rounds: int, burst: int, threads: int = 2
-            ) -> Dict[str, float]:
+def measure(shape: tuple, channels_last: bool, rounds: int, burst: int, threads: int = 2,
+            cold: bool = False) -> Dict[str, float]:
     """Median over rounds of the best of ``burst`` calls, us, for every contender."""
     import numpy as np
     import torch
@@ -108,9 +113,12 @@ def measure(shape: tuple, channels_last: bool, rounds: int, burst: int, threads:
         fn()
     names = list(fns)
     samples: Dict[str, List[float]] = {name: [] for name in names}
+    big = np.ones(16 << 20) if cold else None
+    sink = np.empty_like(big) if cold else None
+    evict = (lambda: np.copyto(sink, big)) if cold else (lambda: None)
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            samples[name].append(_best(fns[name], burst))
+            samples[name].append(_best(fns[name], burst, evict))
     return {name: statistics.median(v) * 1e6 for name, v in samples.items()}
 
 
@@ -120,6 +128,8 @@ def main(argv: List[str] | None = None) -> None:
     parser.add_argument("--shapes", nargs="*", default=None, help="N,C,H,W ...")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--burst", type=int, default=20, help="calls per contender and round")
+    parser.add_argument("--cold", action="store_true",
+                        help="stream 128 MiB through the caches before each timed call")
     parser.add_argument("--threads", type=int, default=2,
                         help="threads for both trees and PyTorch (torch.set_num_threads)")
     args = parser.parse_args(argv)
@@ -132,7 +142,8 @@ def main(argv: List[str] | None = None) -> None:
     print("new/old time (np fwd | np bwd | bt f+b); bngrad.torch f+b / PyTorch, new (old)")
     for shape in shapes:
         for channels_last in (True, False):
-            m = measure(shape, channels_last, args.rounds, args.burst, args.threads)
+            m = measure(shape, channels_last, args.rounds, args.burst, args.threads,
+                        args.cold)
             ratios = " | ".join(f"{m[k + ' new'] / m[k + ' old']:.2f}"
                                 for k in ("np fwd", "np bwd", "bt f+b"))
             print(f"{shape} {'NHWC' if channels_last else 'NCHW'}: {ratios}   "

@@ -187,6 +187,37 @@ def test_fused_calls_share_what_is_remembered(variant, layouts):
     assert len(_calls._known) == 2  # the plain calls' signatures served the fused ones
 
 
+@pytest.mark.parametrize("path", ["fused", "fused_short", "lanes", "runs", "short"])
+@pytest.mark.parametrize("variant", ["float32", "bfloat16"])
+def test_a_repeat_call_on_any_path_skips_the_layout_and_keeps_the_bits(path, variant,
+                                                                       monkeypatch):
+    """A repeat training backward whose layout copies nothing makes its views itself on
+    every path (a forward where its kernel call also takes the moments: a fused path), never
+    planning the layout; its results are the bits of the first, planned, call (api._direct)."""
+    from bngrad import api, kernels
+    shape, layouts = {"fused": ((4, 6, 300), "contig"), "fused_short": ((8, 12, 49), "contig"),
+                      "lanes": ((8, 12, 7, 7), "chlast"), "runs": ((4, 6, 300), "contig"),
+                      "short": ((8, 12, 49), "contig")}[path]
+    case = make_case(shape, 1, variant, "train", layouts=(layouts, layouts))
+    with kernels.forced_path(path), kernels.override(serial_elements=0):
+        assert api.plan(case.input, case.grad_out, 1, 2).kernel.path == path
+        first_backward = _backward(case, num_threads=2)
+        first_forward = _forward(case, num_threads=2)
+
+        def no_planning(*args, **kwargs):
+            raise AssertionError("a repeat call planned the layout")
+        monkeypatch.setattr(api, "plan", no_planning)
+        assert _bits(_backward(case, num_threads=2)) == _bits(first_backward)
+        out = np.empty_like(case.input)
+        result = _backward(case, num_threads=2, out=out)
+        assert result[0] is out and _bits(result) == _bits(first_backward)
+        if path in ("fused", "fused_short"):
+            assert _bits(_forward(case, num_threads=2)) == _bits(first_forward)
+        else:  # the moments take a pass of their own: the general path
+            monkeypatch.undo()
+            assert _bits(_forward(case, num_threads=2)) == _bits(first_forward)
+
+
 @pytest.mark.parametrize("variant, parallel", [
     *((v, False) for v in ("float64", "float32", "float16-p32", "bfloat16")),
     ("float32", True), ("bfloat16", True)])  # (a parallel launch: compile time, few dtypes)

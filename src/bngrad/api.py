@@ -93,18 +93,23 @@ def _as_param_dtype(values: Optional[Array], dtype: np.dtype) -> Optional[Array]
     return None if values is None else values.astype(dtype)
 
 
-def _one_call(known: Optional[_calls.Known], threads: int, out: Optional[Array]
-              ) -> Optional[kernels.KernelPlan]:
-    """A repeat call's kernel plan where its kernels run as one compiled pass over views of the
-    caller's arrays (``KernelPlan.one_call``, nothing copied, ``out`` absent or dense in the
-    layout's order), else None. Such a call (a small array: its time is mostly fixed cost,
-    issue 12) skips planning the layout and makes the views itself; the kernels, and so the
-    bits, are those of the general path."""
+def _direct(known: Optional[_calls.Known], threads: int, out: Optional[Array],
+            forward: bool) -> Optional[kernels.KernelPlan]:
+    """A repeat call's kernel plan where its kernels run on views of the caller's arrays
+    (nothing copied, ``out`` absent or dense in the layout's order), and, for a ``forward``,
+    in the kernel call that also takes the moments (``KernelPlan.one_call``, or a fused
+    path); else None. Such a call skips planning the layout and makes the views itself: the
+    fixed cost of a call is mostly Python, and inside a model, where the kernels and the
+    layers around them have evicted the caches, every Python step costs several times what
+    it does in a loop (issue 12, benchmarks/results/2026-12-02-session20.txt); the kernels,
+    and so the bits, are those of the general path."""
     if known is None or known.layout.copied or (
             out is not None and not out.transpose(known.layout.order).flags.c_contiguous):
         return None
     kernel = kernels.plan(_Shape(known.layout.canonical), threads)
-    return kernel if kernel.one_call else None
+    if forward and not (kernel.one_call or kernel.path in ("fused", "fused_short")):
+        return None
+    return kernel
 
 
 def _output_view(out: Optional[Array], input: Array, layout: _Layout) -> tuple[Array, Array]:
@@ -236,13 +241,15 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
 
     scale_weight, shift_bias = _f64(weight, n_channels, 1.0), _f64(bias, n_channels, 0.0)
     plain = side_input is None and relu is None
-    kernel = _one_call(known, threads, out) if plain and train and count else None
-    if kernel is not None and known is not None:  # views and one compiled call
+    kernel = _direct(known, threads, out, forward=True) if plain and train and count else None
+    if kernel is not None and known is not None:  # views and the kernels' calls
         with kernels.region(kernel):
             x = kernel_input(input, known.layout)
             out_kernel, output = _output_view(out, input, known.layout)
-            mean, var, invstd = kernels.one_call_forward(kernel, x, out_kernel, scale_weight,
-                                                         shift_bias, eps, count, compute)
+            fused = kernels.forward_train(kernel, x, out_kernel, scale_weight, shift_bias, eps,
+                                          count, compute)
+            assert fused is not None  # (a one-call or fused plan: _direct)
+            mean, var, invstd = fused
             kernels.update_running_stats(running_mean, running_var, mean, var, momentum, count)
         return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), None
     layout = plan(input, None, axis, threads, chunked=plain,
@@ -388,14 +395,15 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     threads = resolve_num_threads(threads)
 
     plain = relu is None and relu_bits is None and not grad_side
-    kernel = _one_call(known, threads, out) if plain and train and mask[0] and count else None
+    kernel = (_direct(known, threads, out, forward=False)
+              if plain and train and mask[0] and count else None)
     if kernel is not None and known is not None and save_mean is not None and (
-            save_invstd is not None):  # views and one compiled call
+            save_invstd is not None):  # views and the kernels' calls
         with kernels.region(kernel):
             x, dy = kernel_input(input, known.layout), kernel_input(grad_out, known.layout)
             out_kernel, result = _output_view(out, input, known.layout)
             invstd = save_invstd.astype(np.float64)
-            sum_dy, sum_dy_xmu = kernels.one_call_backward(
+            sum_dy, sum_dy_xmu = kernels.backward_train(
                 kernel, x, dy, out_kernel, save_mean.astype(np.float64), invstd, w, count,
                 spec.compute)
         return (result, _as_param_dtype(sum_dy_xmu * invstd if mask[1] else None, out_dtype),
