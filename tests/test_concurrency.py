@@ -392,6 +392,65 @@ def test_fork_from_a_signal_handler_during_a_call():
     assert code == 0 and "ok" in output, output[-2000:]
 
 
+# A signal handler that calls bngrad while its thread is inside os.fork()'s preparation
+# (bngrad's before-fork hook waits there for another thread's call, or for the pool's threads
+# to sleep): the handler's call waited for the fork, which waited for the handler (a hang), or,
+# where the fork held Numba's compiler lock, was refused as nested in a compile.
+_CALL_IN_FORK_SCRIPT = """
+import os, signal, sys, threading, time
+import numpy as np
+import bngrad
+
+rng = np.random.default_rng(0)
+x = rng.standard_normal((4096, 256)).astype(np.float32)
+small = rng.standard_normal((4, 8, 50)).astype(np.float32)
+expected = bngrad.batch_norm_backward(small, small)
+bngrad.batch_norm_backward(x, x)
+calls, errors = [], []
+
+def handler(signum, frame):
+    try:
+        calls.append(bngrad.batch_norm_backward(small, small))
+    except Exception as e:
+        errors.append(repr(e))
+
+signal.signal(signal.SIGALRM, handler)
+delay = [0.001]
+os.register_at_fork(before=lambda: signal.setitimer(signal.ITIMER_REAL, delay[0]))
+stop = threading.Event()
+busy = threading.Thread(target=lambda: [bngrad.batch_norm_backward(x, x)
+                                        for _ in iter(stop.is_set, True)])
+for with_busy_thread in (False, True):
+    if with_busy_thread:
+        busy.start()
+    for i in range(8):
+        delay[0] = (0.0002, 0.001, 0.003, 0.01)[i % 4]
+        pid = os.fork()
+        if pid == 0:
+            got = bngrad.batch_norm_backward(small, small)
+            os._exit(0 if all(np.array_equal(g, e) for g, e in zip(got, expected)) else 1)
+        deadline = time.monotonic() + 10
+        while not os.waitpid(pid, os.WNOHANG)[0]:
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                sys.exit("child hung")
+            time.sleep(0.002)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+stop.set()
+busy.join()
+assert not errors, errors
+assert calls and all(all(np.array_equal(g, e) for g, e in zip(c, expected)) for c in calls)
+print("ok", len(calls))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
+                    reason="needs os.fork and signal.setitimer")
+def test_call_in_a_signal_handler_while_its_thread_forks():
+    code, output = _run_script(_CALL_IN_FORK_SCRIPT, {"NUMBA_NUM_THREADS": "2"})
+    assert code == 0 and "ok" in output and "Exception ignored" not in output, output[-2000:]
+
+
 _NESTED_WORKQUEUE_SCRIPT = """
 import sys
 sys.path.insert(0, {tests!r})

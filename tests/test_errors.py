@@ -133,6 +133,11 @@ BAD = [
     ("eps-nan", ("backward", "forward"), dict(eps=float("nan")), ValueError, "eps", "nan"),
     ("eps-text", ("backward", "forward"), dict(eps="small"), TypeError, "eps", None),
     ("momentum-nan", ("forward",), dict(momentum=float("nan")), ValueError, "momentum", None),
+    # ints beyond float64 (float() raised a bare OverflowError)
+    ("eps-huge-int", ("backward", "forward"), dict(eps=10**400), ValueError, "eps",
+     "too large for a float64"),
+    ("momentum-huge-int", ("forward",), dict(momentum=10**400), ValueError, "momentum",
+     "too large for a float64"),
     ("output_mask-two", ("backward",), dict(output_mask=(True, True)), (ValueError, TypeError),
      "output_mask", None),
     ("output_mask-four", ("backward",), dict(output_mask=[True] * 4), (ValueError, TypeError),

@@ -253,6 +253,26 @@ def test_mask_order_and_unpack_mask(layout):
         bngrad.fused.unpack_mask(bits[:-1], x)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS[:2], ids=lambda lay: lay[0])
+def test_a_strided_bits_mask_gives_the_bits_of_a_contiguous_one(layout):
+    """A "bits" mask is one flat buffer to the kernels: a strided or reversed view of the
+    same bytes (found by hostile testing: read as if contiguous, all four outputs wrong)."""
+    case = _case("float32", layout, True, True, _seed("strided-bits", layout))
+    x, dy, axis = case["x"], case["dy"], case["axis"]
+    _, mean, invstd, bits = bngrad.batch_norm_relu_forward(x, channel_axis=axis)
+    expected = bngrad.batch_norm_relu_backward(dy, x, None, None, None, mean, invstd,
+                                               relu_mask=bits, channel_axis=axis)
+    spread = np.zeros(2 * bits.size, np.uint8)
+    spread[::2] = bits
+    for mask in (spread[::2], bits[::-1].copy()[::-1]):
+        got = bngrad.batch_norm_relu_backward(dy, x, None, None, None, mean, invstd,
+                                              relu_mask=mask, channel_axis=axis)
+        for g, e in zip(got, expected):
+            assert (g is None) == (e is None)
+            if g is not None:
+                np.testing.assert_array_equal(g, e)
+
+
 @pytest.mark.parametrize("output_mask", list(itertools.product((True, False), repeat=4)),
                          ids=lambda m: "mask" + "".join("1" if b else "0" for b in m))
 def test_every_output_mask(output_mask):
@@ -367,7 +387,11 @@ def _bad_calls():
         ("side_input: expected the shape", ValueError, lambda: f(x, side_input=x[:1])),
         ("side_input: expected the dtype", TypeError,
          lambda: f(x, side_input=x.astype(np.float64))),
-        ("out: overlaps side_input", ValueError, lambda: f(x, side_input=z, out=z)),
+        (r"out: overlaps side_input; pass a separate buffer \(or input itself\)", ValueError,
+         lambda: f(x, side_input=z, out=z)),
+        # side_input is input: input itself is no way out (it said so)
+        ("out: overlaps side_input; pass a separate buffer$", ValueError,
+         lambda: f(x, side_input=x, out=x)),
         ("weight", ValueError, lambda: f(x, np.ones(2, F32))),
         ("output_mask: expected four", ValueError,
          lambda: b(x, x, output_mask=(True,) * 3, relu_mask=bits)),

@@ -127,8 +127,11 @@ class _ForkGate:
 
     A thread already inside a region enters nested ones without waiting (the fork waits for
     its outer one anyway), and a thread that forks from inside a region does not wait for
-    itself. Every wait is a Condition wait, which releases the GIL. The child, where only the
-    forking thread survives, starts with a fresh gate.
+    itself. Nor does a call made on the forking thread while it prepares the fork (a signal
+    handler's, run while fork() waits here): the fork cannot go on before that call returns,
+    and waiting for the fork would wait for itself. Every wait is a Condition wait, which
+    releases the GIL. The child, where only the forking thread survives, starts with a fresh
+    gate.
     """
 
     def __init__(self) -> None:
@@ -146,10 +149,14 @@ class _ForkGate:
     def _mine(self) -> int:
         return getattr(self._depth, "n", 0)
 
+    def forking_here(self) -> bool:
+        """Whether this thread is in os.fork()'s preparation (before_fork)."""
+        return getattr(self._depth, "forking", False)
+
     def enter(self) -> None:
         depth = self._mine()
         with self._cond:
-            while depth == 0 and self._forks:
+            while depth == 0 and self._forks and not self.forking_here():
                 self._cond.wait()
             self._running += 1
             self._depth.n = depth + 1
@@ -168,6 +175,7 @@ class _ForkGate:
         # wait forever. So the fork also holds Numba's compiler lock, taken without waiting
         # while holding the gate (a thread that holds it may need a region to finish).
         compiler = _COMPILER_LOCK
+        self._depth.forking = True
         while True:
             with self._cond:
                 self._forks += 1
@@ -185,6 +193,7 @@ class _ForkGate:
             _wait_for_native_threads_to_sleep()
 
     def after_fork_in_parent(self) -> None:
+        self._depth.forking = False
         if _COMPILER_LOCK is not None:
             _COMPILER_LOCK.release()
         with self._cond:
@@ -194,6 +203,7 @@ class _ForkGate:
 
     def after_fork_in_child(self) -> None:
         global _launch_lock
+        self._depth.forking = False
         if _COMPILER_LOCK is not None:
             _COMPILER_LOCK.release()  # (this thread's, from the fork)
         self._reset(running=self._mine())
@@ -276,7 +286,9 @@ def resolve_num_threads(num_threads: Optional[int]) -> int:
 
 
 def _compiler_lock_is_mine() -> bool:
-    return _COMPILER_LOCK is not None and _COMPILER_LOCK._is_owned()
+    # (not where the lock is this thread's fork's, held while no compile runs: _ForkGate)
+    return (_COMPILER_LOCK is not None and _COMPILER_LOCK._is_owned()
+            and not _fork_gate.forking_here())
 
 
 def current_num_threads() -> int:

@@ -271,10 +271,20 @@ def eps(value: Any) -> float:
         return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"eps: expected a float >= 0, got {describe(value)}")
-    value = float(value)
+    value = _as_float("eps", "a finite float >= 0", value)
     if math.isnan(value) or value < 0 or math.isinf(value):
         raise ArgumentValueError(f"eps: expected a finite float >= 0, got {value}")
     return value
+
+
+def _as_float(name: str, expected: str, value: numbers.Real) -> float:
+    """float(value), or ArgumentValueError for an int beyond float64 (float() would raise
+    OverflowError)."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ArgumentValueError(f"{name}: expected {expected}, got {describe(value)}, too "
+                                 "large for a float64") from None
 
 
 def momentum(value: Any) -> float:
@@ -282,7 +292,7 @@ def momentum(value: Any) -> float:
         return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"momentum: expected a float, got {describe(value)}")
-    value = float(value)
+    value = _as_float("momentum", "a finite float", value)
     if not math.isfinite(value):
         raise ArgumentValueError(f"momentum: expected a finite float, got {value}")
     return value

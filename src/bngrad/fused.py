@@ -108,7 +108,8 @@ def _output_mask(value: Any) -> Tuple[bool, bool, bool, bool]:
 
 
 def _relu_mask(value: Any, input: Array) -> Array:
-    """A ReLU mask in either format; returned as given."""
+    """A ReLU mask in either format; returned as given, but a strided "bits" mask, which the
+    kernels read as one flat buffer, as a contiguous copy (a 32nd of float32 input's bytes)."""
     if isinstance(value, np.ma.MaskedArray):
         raise ArgumentTypeError(check.masked_message("relu_mask"))
     if not isinstance(value, np.ndarray):
@@ -127,6 +128,7 @@ def _relu_mask(value: Any, input: Array) -> Array:
                 f"relu_mask: a uint8 mask ('bits' format) must have shape ({n_bytes},) "
                 f"(one bit per element of input's {input.size}, rounded up to bytes), got "
                 f"shape {value.shape}")
+        return np.ascontiguousarray(value)
     else:
         raise ArgumentTypeError(
             f"relu_mask: expected uint8 ('bits' format) or bool ('bytes' format), got dtype "
@@ -239,8 +241,11 @@ def batch_norm_relu_forward(input: Any, weight: Any = None, bias: Any = None,
     if side_input is not None:
         side_input = _like_input("side_input", side_input, input)
         if out is not None and isinstance(out, np.ndarray) and np.shares_memory(out, side_input):
+            # (input itself is the other in-place choice, unless side_input shares it too)
+            alternative = ("" if np.shares_memory(input, side_input)
+                           else " (or input itself)")
             raise ArgumentValueError(
-                "out: overlaps side_input; pass a separate buffer (or input itself)")
+                f"out: overlaps side_input; pass a separate buffer{alternative}")
     return _fused_forward_impl(input, weight, bias, running_mean, running_var, train, momentum,
                                eps, side_input, activation, mask_format, channel_axis,
                                num_threads, out)
