@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 import warnings
 
@@ -229,96 +228,6 @@ def test_a_tensor_changed_in_place_before_the_backward_is_refused_as_pytorch_doe
                                                        run(bt.batch_norm, False)))
     else:
         assert run(bt.batch_norm, True) is None
-
-
-@contextlib.contextmanager
-def torch_threads(n):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-def _grads_bits(x, w, b, dy):
-    return [t.grad.numpy().tobytes() if t.dtype != torch.bfloat16
-            else t.grad.view(torch.int16).numpy().tobytes() for t in (x, w, b)]
-
-
-@pytest.mark.parametrize("path", ["one_call", "fused_short", "lanes"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_the_backward_reuses_its_forwards_plan_and_keeps_the_bits(path, dtype, monkeypatch):
-    """A training call's backward runs on its forward's plan and views (bngrad.api's _Kept),
-    not through bngrad.batch_norm_backward, and gives the bits of that full call: on a
-    one-call plan, on a fused one and on the lanes (channels-last), parallel."""
-    from bngrad import api, kernels
-    shape, layout = {"one_call": ((8, 8, 4, 4), "contig"),
-                     "fused_short": ((8, 12, 7, 7), "contig"),
-                     "lanes": ((8, 12, 7, 7), "chlast")}[path]
-    x, w, b, rm, rv = _inputs(shape, dtype)
-    x = _layout(x, layout).requires_grad_()
-    w.requires_grad_()
-    b.requires_grad_()
-    dy = _layout(torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype),
-                 layout)
-
-    def step():
-        for t in (x, w, b):
-            t.grad = None
-        bt.batch_norm(x, rm, rv, w, b, True).backward(dy)
-        return _grads_bits(x, w, b, dy)
-
-    with kernels.override(serial_elements=0), torch_threads(2):
-        plan = api.plan(_convert.to_numpy(x), None, 1, 2).kernel
-        assert (plan.one_call if path == "one_call" else plan.path == path and not plan.one_call)
-        with monkeypatch.context() as patch:
-            patch.setattr(api, "_backward_kept", lambda *args: None)
-            full = step()  # bngrad.batch_norm_backward
-        kept = []
-        monkeypatch.setattr(api, "_backward_kept", lambda *a, _f=api._backward_kept: kept.append(
-            _f(*a)) or kept[-1])
-
-        def no_full_call(*args, **kwargs):
-            raise AssertionError("the backward took the full call")
-        monkeypatch.setattr(bngrad, "batch_norm_backward", no_full_call)
-        assert step() == full and kept and kept[-1] is not None
-
-
-def test_a_kept_plan_serves_one_backward_and_never_hooked_saved_tensors(monkeypatch):
-    """The kept plan holds views of input: it is dropped after the backward (a retained
-    graph's second backward takes the full call, with the same bits) and not kept at all
-    under saved-tensor hooks (save_on_cpu, checkpointing), which must see every saved
-    tensor; a grad_out laid out unlike input takes the full call."""
-    from bngrad import api
-    x, w, b, rm, rv = _inputs((8, 8, 4, 4), torch.float32)
-    x.requires_grad_()
-    w.requires_grad_()
-    b.requires_grad_()
-    dy = torch.randn(x.shape)
-    bt.batch_norm(x, rm, rv, w, b, True).backward(dy)  # (the signature now known)
-    calls = []
-    monkeypatch.setattr(api, "_backward_kept", lambda *a, _f=api._backward_kept: calls.append(
-        _f(*a)) or calls[-1])
-    full = torch.autograd.grad(F.batch_norm(x, rm.clone(), rv.clone(), w, b, True), (x, w, b),
-                               dy)
-    y = bt.batch_norm(x, rm, rv, w, b, True)
-    first = torch.autograd.grad(y, (x, w, b), dy, retain_graph=True)
-    assert len(calls) == 1 and calls[0] is not None
-    second = torch.autograd.grad(y, (x, w, b), dy)
-    assert len(calls) == 1  # the full call
-    assert all(torch.equal(a, e) for a, e in zip(first, second))
-    for a, e in zip(first, full):
-        assert_close(a.numpy(), e.numpy(), factor=4)
-    with torch.autograd.graph.save_on_cpu():
-        y = bt.batch_norm(x, rm, rv, w, b, True)
-    assert all(torch.equal(a, e) for a, e in zip(torch.autograd.grad(y, (x, w, b), dy), first))
-    assert len(calls) == 1
-    y = bt.batch_norm(x, rm, rv, w, b, True)
-    dy_last = _layout(dy, "chlast")  # (not input's layout)
-    assert all(torch.equal(a, e) for a, e in zip(torch.autograd.grad(y, (x, w, b), dy_last),
-                                                 first))
-    assert len(calls) == 2 and calls[1] is None
 
 
 # --- zero-copy conversion ---------------------------------------------------------------------

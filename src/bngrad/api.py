@@ -7,7 +7,7 @@ on the CPU (see README for where bngrad deliberately does better).
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -112,33 +112,6 @@ def _direct(known: Optional[_calls.Known], threads: int, out: Optional[Array],
     return kernel
 
 
-class _Kept(NamedTuple):
-    """What a training forward whose layout copies nothing keeps for its backward, where the
-    caller asks (bngrad.torch keeps it in its autograd context): the plan and the views it
-    made, so that :func:`_backward_kept` runs the backward's kernels without the signature,
-    the checks and the views of the arrays this forward checked."""
-
-    kernel: kernels.KernelPlan
-    layout: _Layout
-    input: Array            # the caller's input (grad_out must have its shape and strides)
-    x: Array                # the kernels' view of input
-    weight: Array           # float64, 1 where there is no weight
-    mean: Array             # the saved statistics, read in float64 as the backward reads them
-    invstd: Array
-    count: int
-    compute: np.dtype
-    param_dtype: np.dtype   # grad_weight's and grad_bias's (as batch_norm_backward's, given
-                            # the saved statistics and no running ones)
-
-
-def _keep(kernel: kernels.KernelPlan, layout: _Layout, input: Array, x: Array,
-          scale_weight: Array, weight: Optional[Array], save_mean: Array, save_invstd: Array,
-          count: int, compute: np.dtype) -> _Kept:
-    return _Kept(kernel, layout, input, x, scale_weight, save_mean.astype(np.float64),
-                 save_invstd.astype(np.float64), count, compute,
-                 check.param_dtype(input.dtype, weight, (save_mean,)))
-
-
 def _output_view(out: Optional[Array], input: Array, layout: _Layout) -> tuple[Array, Array]:
     """(kernel view, result) of ``out`` (dense in ``layout``'s order) or of a new array in that
     order (as ``Plan.output`` where nothing is copied)."""
@@ -229,15 +202,14 @@ def batch_norm_forward(input: Any, weight: Any = None, bias: Any = None, running
 def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var: Any,
              train: Any, momentum: Any, eps: Any, channel_axis: Any, num_threads: Any,
              out: Optional[Array], side_input: Optional[Array] = None,
-             relu: Optional[str] = None, keep: bool = False
-             ) -> Tuple[Array, Array, Array, Optional[Array], Optional[_Kept]]:
+             relu: Optional[str] = None) -> Tuple[Array, Array, Array, Optional[Array]]:
     """batch_norm_forward, and the operands of bngrad.fused's variant, in its normalize pass:
     ``side_input`` (input's shape and dtype, any layout, checked by the caller) is added, and
     with ``relu`` ("bytes" or "bits", the mask's format) the ReLU is applied and its mask
-    written. Returns (output, save_mean, save_invstd, mask, kept): mask, for "bytes", is uint8
-    (1: the output passes) of input's shape laid out in the kernels' memory order (input's, or
-    C order); for "bits", 1-D uint8, one bit per element in that memory order (kernels'
-    docstring); else None. kept: with ``keep``, a direct call's :class:`_Kept`, else None."""
+    written. Returns (output, save_mean, save_invstd, mask): mask, for "bytes", is uint8 (1:
+    the output passes) of input's shape laid out in the kernels' memory order (input's, or C
+    order); for "bits", 1-D uint8, one bit per element in that memory order (kernels'
+    docstring); else None."""
     # (side_input and relu, checked by bngrad.fused, change nothing that is remembered)
     signature = _calls.forward_signature(input, weight, bias, running_mean, running_var, train,
                                          channel_axis)
@@ -279,10 +251,7 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
             assert fused is not None  # (a one-call or fused plan: _direct)
             mean, var, invstd = fused
             kernels.update_running_stats(running_mean, running_var, mean, var, momentum, count)
-        save_mean, save_invstd = mean.astype(stat_dtype), invstd.astype(stat_dtype)
-        kept = _keep(kernel, known.layout, input, x, scale_weight, weight, save_mean,
-                     save_invstd, count, compute) if keep else None
-        return output, save_mean, save_invstd, None, kept
+        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), None
     layout = plan(input, None, axis, threads, chunked=plain,
                   layout=None if known is None else known.layout)
     if known is None:
@@ -323,13 +292,8 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     output = layout.finish_output(output, out)
 
     if train:
-        save_mean, save_invstd = mean.astype(stat_dtype), invstd.astype(stat_dtype)
-        kept = None
-        if keep and plain and count and not layout.layout.copied:  # (x: a view of input)
-            kept = _keep(layout.kernel, layout.layout, input, layout.x, scale_weight, weight,
-                         save_mean, save_invstd, count, compute)
-        return output, save_mean, save_invstd, mask, kept
-    return output, np.empty(0, dtype=stat_dtype), np.empty(0, dtype=stat_dtype), mask, None
+        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), mask
+    return output, np.empty(0, dtype=stat_dtype), np.empty(0, dtype=stat_dtype), mask
 
 
 def batch_norm_backward(grad_out: Any, input: Any, weight: Any = None, running_mean: Any = None,
@@ -508,32 +472,6 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
         grad_bias = sums[0] if mask[2] else None
     return (grad_input, _as_param_dtype(grad_weight, out_dtype),
             _as_param_dtype(grad_bias, out_dtype), side)
-
-
-def _backward_kept(kept: _Kept, grad_out: Array, output_mask: Tuple[bool, bool, bool],
-                   num_threads: int, out: Array
-                   ) -> Optional[Tuple[Array, Optional[Array], Optional[Array]]]:
-    """batch_norm_backward of a training call with grad_input, after the forward that kept
-    ``kept``, on the same kernels (so the same bits): (grad_input, grad_weight, grad_bias);
-    or None where grad_out or ``out`` is not laid out as input was or the thread count
-    changed, and the caller makes the full call. ``out``: a fresh array for grad_input
-    (nothing else shares its memory: the caller's promise, not checked), and the output
-    mask's first entry True (likewise)."""
-    input = kept.input
-    if (type(grad_out) is not np.ndarray or grad_out.dtype != input.dtype
-            or grad_out.shape != input.shape or grad_out.strides != input.strides
-            or out.dtype != input.dtype or out.shape != input.shape
-            or out.strides != input.strides
-            or resolve_num_threads(num_threads) != kept.kernel.threads):
-        return None
-    with kernels.region(kept.kernel):
-        out_kernel, result = _output_view(out, input, kept.layout)
-        sum_dy, sum_dy_xmu = kernels.backward_train(
-            kept.kernel, kept.x, kernel_input(grad_out, kept.layout), out_kernel, kept.mean,
-            kept.invstd, kept.weight, kept.count, kept.compute)
-    return (result,
-            (sum_dy_xmu * kept.invstd).astype(kept.param_dtype) if output_mask[1] else None,
-            sum_dy.astype(kept.param_dtype) if output_mask[2] else None)
 
 
 def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any,

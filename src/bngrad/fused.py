@@ -334,7 +334,7 @@ def _fused_forward_impl(input: Array, weight: Any, bias: Any, running_mean: Any,
     bits packed there) in batch norm's normalize pass. Without a mask the ReLU still takes one
     (as bits, the cheapest), which is dropped."""
     relu = None if activation == "none" else (mask_format or "bits")
-    output, save_mean, save_invstd, mask, _ = _forward(
+    output, save_mean, save_invstd, mask = _forward(
         input, weight, bias, running_mean, running_var, train, momentum, eps, channel_axis,
         num_threads, out, side_input=side_input, relu=relu)
     if mask_format is None or mask is None:

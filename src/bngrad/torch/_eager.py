@@ -20,7 +20,6 @@ runs them single-threaded).
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import numpy as np
@@ -29,7 +28,7 @@ from torch import Tensor
 
 import bngrad
 
-from .. import _gomp, api
+from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
 from ._convert import from_numpy, output_like, to_numpy, to_numpy_optional, torch_terms
 
@@ -40,10 +39,6 @@ __all__ = ["applies", "batch_norm"]
 # no dispatch mode.
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)
 _dispatch_modes = getattr(torch._C, "_len_torch_dispatch_stack", lambda: 0)
-# (pack, unpack) of the innermost torch.autograd.graph.saved_tensors_hooks, or None; without
-# the function, assume hooks.
-_saved_tensors_hooks = functools.partial(
-    getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", lambda _: True), False)
 
 
 def applies(input: Tensor) -> bool:
@@ -69,33 +64,27 @@ _NATIVE = frozenset(np.dtype(name) for name in ("float64", "float32", "float16")
 
 
 @_gomp.on_torch_team
-def _forward(input, weight, bias, running_mean, running_var, training, momentum, eps,
-             keep=False):
-    """(output, save_mean, save_invstd, kept); running statistics updated in place in
-    training. kept (with ``keep``): what the backward may reuse (bngrad.api._Kept) or None."""
+def _forward(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """(output, save_mean, save_invstd); running statistics updated in place in training."""
     output = output_like(input)
     try:
-        _, save_mean, save_invstd, _, kept = api._forward(
+        _, save_mean, save_invstd = bngrad.batch_norm_forward(
             to_numpy(input, "input"), to_numpy_optional(weight, "weight"),
             to_numpy_optional(bias, "bias"), to_numpy_optional(running_mean, "running_mean"),
-            to_numpy_optional(running_var, "running_var"), training, momentum, eps, 1,
-            torch.get_num_threads(), to_numpy(output), keep=keep)
+            to_numpy_optional(running_var, "running_var"), train=training, momentum=momentum,
+            eps=eps, num_threads=torch.get_num_threads(), out=to_numpy(output))
     except (ArgumentValueError, ArgumentTypeError) as exc:
         raise torch_terms(exc, input, {"weight": weight, "bias": bias,
                                        "running_mean": running_mean,
                                        "running_var": running_var}) from None
-    return output, save_mean, save_invstd, kept
+    return output, save_mean, save_invstd
 
 
 class _BatchNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, running_mean, running_var, training, momentum, eps):
-        # The forward's plan and views are kept for the backward (bngrad.api._Kept: fewer
-        # Python steps) unless saved-tensor hooks are active: they would keep input's memory
-        # alive past hooks that offload or drop it (save_on_cpu, checkpointing).
-        output, save_mean, save_invstd, ctx.kept = _forward(
-            input, weight, bias, running_mean, running_var, training, momentum, eps,
-            keep=_saved_tensors_hooks() is None)
+        output, save_mean, save_invstd = _forward(input, weight, bias, running_mean,
+                                                  running_var, training, momentum, eps)
         ctx.training, ctx.eps = training, eps
         # Eval mode normalises with the running statistics, which the backward needs too
         # (train mode changes them in place, and does not need them).
@@ -115,16 +104,6 @@ class _BatchNorm(torch.autograd.Function):
         if grad_out.dtype != input.dtype:  # autograd may hand over a grad of another dtype
             grad_out = grad_out.to(input.dtype)
         grad_input = torch.empty_like(input) if mask[0] else None
-        # The forward's plan and views, once (saved_tensors, above, has checked that no saved
-        # tensor was changed in place since): dropped here, as autograd frees saved tensors
-        # after the backward, so that they do not keep input's memory alive as long as the
-        # graph (a retained graph's next backward takes the full call).
-        kept, ctx.kept = ctx.kept, None
-        if kept is not None and grad_input is not None:
-            done = api._backward_kept(kept, to_numpy(grad_out, "grad_out"), mask,
-                                      torch.get_num_threads(), to_numpy(grad_input))
-            if done is not None:
-                return (grad_input, _as(done[1], weight), _as(done[2], bias)) + (None,) * 5
         _, grad_weight, grad_bias = bngrad.batch_norm_backward(
             to_numpy(grad_out, "grad_out"), to_numpy(input, "input"),
             to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),
