@@ -272,6 +272,45 @@ def test_differentiable_backward_gives_the_same_first_derivatives(train, path):
         assert_close(a.detach().numpy(), e.numpy(), what=f"grad {name}", factor=2)
 
 
+@pytest.mark.parametrize("with_side", [True, False], ids=["add-relu", "relu"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_second_derivatives_are_defined_where_pytorchs_are(train, with_side, path):
+    """Each first derivative of the fused forms, taken with create_graph=True, differentiated
+    again with respect to input, weight and bias: defined where PyTorch's unfused sequence's
+    is, with its value. The ReLU's masked gradient depends on the forward's output with a zero
+    derivative (threshold_backward), so PyTorch gives 0 where the batch norm alone would not
+    connect them (eval mode's grad_input and input; grad_weight and weight); bngrad raised
+    that the tensor was not used in the graph. (Not the side input: the fused forms do not
+    keep it for the backward; docs/torch.md.)"""
+    x = _t((3, 2, 4), seed=1).requires_grad_()
+    w, b = (_t(2, seed=2) + 0.8).requires_grad_(), _t(2, seed=3).requires_grad_()
+    z = _t((3, 2, 4), seed=4).requires_grad_()
+    rm, rv = _t(2, seed=5), _t(2, seed=6).abs() + 0.5
+    v = _t((3, 2, 4), seed=7)
+    side = z if with_side else torch.zeros_like(z)
+
+    def second(y):
+        firsts = torch.autograd.grad((y * v).sum(), (x, w, b), create_graph=True)
+        results = {}
+        for i, first in enumerate(firsts):
+            for j, t in enumerate((x, w, b)):
+                try:
+                    results[i, j] = torch.autograd.grad((first * first).sum(), t,
+                                                        retain_graph=True)[0]
+                except RuntimeError as error:
+                    assert "not have been used in the graph" in str(error)
+                    results[i, j] = None
+        return results
+
+    ours = second(bt.batch_norm_add_relu(x, side, rm.clone(), rv.clone(), w, b, train)
+                  if with_side else bt.batch_norm_relu(x, rm.clone(), rv.clone(), w, b, train))
+    theirs = second(F.relu(F.batch_norm(x, rm.clone(), rv.clone(), w, b, train) + side))
+    assert {k for k, e in theirs.items() if e is None} == set()
+    for key, expected in theirs.items():
+        assert ours[key] is not None, f"d grad {'xwb'[key[0]]} / d {'xwb'[key[1]]} undefined"
+        assert_close(ours[key].detach().numpy(), expected.numpy(), what=str(key), factor=4)
+
+
 # --- found by hostile testing: tracers, forward-mode AD, argument checks -----------------------
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])

@@ -64,6 +64,26 @@ def unpack_mask(relu_mask: Tensor, like: Tensor) -> Tensor:
     return in_memory.permute(sorted(range(like.dim()), key=order.__getitem__)).bool()
 
 
+class _Masked(torch.autograd.Function):
+    """``where(passes, grad_out, 0)``, the ReLU's masked gradient, as a function of the forward's
+    ``sources`` too, with a zero derivative: PyTorch's ``threshold_backward(grad_out, y, 0)``
+    depends so on the ReLU output ``y``, and through it on everything y was computed from. A
+    derivative of the fused backward with respect to one of them is then 0, as through
+    PyTorch's unfused sequence, not an error that the tensor was not used in the graph."""
+
+    @staticmethod
+    def forward(ctx, grad_out, passes, *sources):
+        ctx.passes = passes
+        ctx.sources = [(s.shape, s.dtype, s.device) for s in sources]
+        return torch.where(passes, grad_out, 0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) if need else None
+                 for (shape, dtype, device), need in zip(ctx.sources, ctx.needs_input_grad[2:])]
+        return (torch.where(ctx.passes, grad, 0), None, *zeros)
+
+
 # --- torch.ops.bngrad.batch_norm_relu_forward --------------------------------------------------
 
 @torch.library.custom_op("bngrad::batch_norm_relu_forward", mutates_args=(), device_types="cpu")
@@ -128,16 +148,19 @@ def _forward_setup_context(ctx, inputs, output):
     ctx.training, ctx.eps, ctx.activation = training, eps, activation
     ctx.has = (weight is not None, bias is not None, side_input is not None)
     stats = (running_mean, running_var) if not training else (None, None)
-    ctx.save_for_backward(input, weight, *stats, save_mean, save_invstd, relu_mask)
+    ctx.save_for_backward(input, weight, bias, *stats, save_mean, save_invstd, relu_mask)
     ctx.set_materialize_grads(False)
 
 
 def _forward_backward(ctx, grad_out, grad_save_mean, grad_save_invstd, *_):
-    input, weight, running_mean, running_var, save_mean, save_invstd, relu_mask = \
+    input, weight, bias, running_mean, running_var, save_mean, save_invstd, relu_mask = \
         ctx.saved_tensors
     need = ctx.needs_input_grad
     mask = [need[0], need[1] and ctx.has[0], need[2] and ctx.has[1], need[5] and ctx.has[2]]
     grads: list[Optional[Tensor]] = [None] * 4
+    if grad_out is not None and torch.is_grad_enabled() and ctx.activation == "relu":
+        grad_out = _Masked.apply(grad_out, unpack_mask(relu_mask, input),
+                                 *(t for t in (input, weight, bias) if t is not None))
     if grad_out is not None and any(mask):
         outs = torch.ops.bngrad.batch_norm_relu_backward(
             grad_out, input, weight, running_mean, running_var, save_mean, save_invstd,
@@ -306,12 +329,15 @@ def _forward(input, weight, bias, side_input, running_mean, running_var, trainin
 def _differentiable_backward(ctx, saved, grad_out, mask):
     """The backward as a graph that can be differentiated again: batch norm's forward is
     recomputed with the custom op (running statistics left alone) and differentiated by
-    autograd at the masked gradient g, which is also the side input's gradient."""
+    autograd at the masked gradient g, which is also the side input's gradient. (g depends on
+    the forward's input, weight and bias with a zero derivative (_Masked); not on its side
+    input, which is not kept for the backward.)"""
     input, weight, bias, running_mean, running_var = saved
     g = grad_out
     if ctx.relu_mask is not None:
         passes = unpack_mask(torch.from_numpy(ctx.relu_mask), input)
-        g = torch.where(passes, grad_out, 0)
+        g = _Masked.apply(grad_out, passes,
+                          *(t for t in (input, weight, bias) if t is not None))
     wanted = [t for t, m in zip((input, weight, bias), mask) if m]
     grads: Iterator[Optional[Tensor]] = iter([])
     if wanted:
