@@ -259,9 +259,13 @@ def test_forward_matches_torch(shape, layout, variant, train, affine):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 def test_running_update_is_numpys_expression_bitwise(dtype):
     """kernels.update_running_stats (compiled for float32/float64) gives the bits of NumPy's
-    ``(1 - momentum) * running + momentum * batch`` on the running statistic's dtype, the
-    variance's batch statistic unbiased (NaN for a count of 1), NaN and inf passing."""
+    ``(1 - momentum) * running + momentum * batch`` on the running statistic's dtype, and for
+    halves the float64 value rounded once (NumPy's expression on a half array rounds the
+    product to the half type first: float16 running statistics were a unit off PyTorch's in a
+    quarter of the channels); the variance's batch statistic unbiased (NaN for a count of 1),
+    NaN and inf passing."""
     dt = {"float32": F32, "float64": F64, "float16": F16, "bfloat16": BF16}[dtype]
+    wide = np.float64 if dt in (F16, BF16) else dt
     rng = np.random.default_rng(5)
     mean, var = rng.normal(0, 3, 64), rng.uniform(0, 5, 64)
     mean[:3], var[3:5] = (np.nan, np.inf, -np.inf), (np.nan, np.inf)
@@ -273,8 +277,10 @@ def test_running_update_is_numpys_expression_bitwise(dtype):
             with np.errstate(invalid="ignore", over="ignore"):  # inf * 0, as in the forward
                 kernels.update_running_stats(rm, rv, mean, var, momentum, count)
                 unbiased = var * count / (count - 1) if count > 1 else np.full(64, np.nan)
-                expect_mean = ((1 - momentum) * start_mean + momentum * mean).astype(dt)
-                expect_var = ((1 - momentum) * start_var + momentum * unbiased).astype(dt)
+                expect_mean = ((1 - momentum) * start_mean.astype(wide)
+                               + momentum * mean).astype(dt)
+                expect_var = ((1 - momentum) * start_var.astype(wide)
+                              + momentum * unbiased).astype(dt)
             assert_bitwise_equal(rm, expect_mean, f"running_mean {momentum} {count}")
             assert_bitwise_equal(rv, expect_var, f"running_var {momentum} {count}")
             for alone, expect, other in ((0, expect_mean, 1), (1, expect_var, 0)):
@@ -284,6 +290,23 @@ def test_running_update_is_numpys_expression_bitwise(dtype):
                     kernels.update_running_stats(*stats, mean, var, momentum, count)
                 assert stats[other] is None
                 assert_bitwise_equal(stats[alone], expect, f"alone {alone} {momentum} {count}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_running_statistics_are_the_reference_rounded_once(dtype):
+    """Half running statistics (with half input, weight and bias) are the float64 reference's
+    new running statistics rounded once to the half type, in every channel."""
+    dt = {"float16": F16, "bfloat16": BF16}[dtype]
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((16, 4096)).astype(F32).astype(dt)
+    rm = rng.standard_normal(4096).astype(F32).astype(dt)
+    rv = (rng.random(4096) + 0.5).astype(F32).astype(dt)
+    w, b = np.ones(4096, dt), np.zeros(4096, dt)
+    new_rm, new_rv = rm.copy(), rv.copy()
+    bngrad.batch_norm_forward(x, w, b, new_rm, new_rv, True, 0.1)
+    expected = reference.batch_norm_forward(x, w, b, rm, rv, True, 0.1)
+    assert_bitwise_equal(new_rm, expected[3].astype(dt), "running_mean")
+    assert_bitwise_equal(new_rv, expected[4].astype(dt), "running_var")
 
 
 @pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])

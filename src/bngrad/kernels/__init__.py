@@ -280,9 +280,11 @@ def moments(shift: np.ndarray, sum_d: np.ndarray, sum_d2: np.ndarray, count: int
 def update_running_stats(running_mean: Optional[np.ndarray], running_var: Optional[np.ndarray],
                          mean: np.ndarray, var: np.ndarray, momentum: float, count: int) -> None:
     """running = (1 - momentum) * running + momentum * batch statistic, in place (None:
-    skipped), exactly as NumPy evaluates it on the running statistic's dtype; the variance's
-    batch statistic is unbiased (count 1: NaN, as in PyTorch). float32 and float64 in one
-    compiled call for both (kernels.batchnorm.update_running_pair), halves by NumPy."""
+    skipped); the variance's batch statistic is unbiased (count 1: NaN, as in PyTorch).
+    float32 and float64 in one compiled call for both (kernels.batchnorm.update_running_pair);
+    halves by NumPy, in float64 and rounded once to the half type (correctly rounded, as
+    PyTorch's float16 update; its bfloat16 update rounds twice, a unit off in about a third
+    of the channels)."""
     if ((running_mean is None or running_mean.dtype in _COMPILED_STATS)
             and (running_var is None or running_var.dtype in _COMPILED_STATS)):
         if running_mean is not None or running_var is not None:
@@ -298,7 +300,7 @@ def update_running_stats(running_mean: Optional[np.ndarray], running_var: Option
             with np.errstate(invalid="ignore"):  # inf statistics: NaN without a warning
                 batch = (stat if not unbiased else stat * count / (count - 1) if count > 1
                          else np.full(len(stat), np.nan))
-                running[...] = (1 - momentum) * running + momentum * batch
+                running[...] = (1 - momentum) * running.astype(np.float64) + momentum * batch
 
 
 _COMPILED_STATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
