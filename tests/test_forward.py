@@ -309,6 +309,20 @@ def test_half_running_statistics_are_the_reference_rounded_once(dtype):
     assert_bitwise_equal(new_rv, expected[4].astype(dt), "running_var")
 
 
+def test_an_invstd_beyond_float32_warns_nothing():
+    """A variance of ~1e-80 (float32 subnormals) with eps 0 has an invstd beyond float32's
+    range: the saved float32 invstd is inf, silently (NumPy's cast warned, an error under
+    ``-W error``); the mean is the reference's."""
+    import warnings
+
+    x = np.array([[1e-40], [-1e-40], [2e-40], [0.0]]).astype(F32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, mean, invstd = bngrad.batch_norm_forward(x, eps=0.0)
+    assert invstd.dtype == F32 and np.isposinf(invstd[0])
+    assert_close(mean, reference.batch_norm_moments(x)[0], F32, "mean")
+
+
 @pytest.mark.parametrize("variant", [v.id for v in DTYPE_VARIANTS])
 @pytest.mark.parametrize("momentum", [0.0, 0.1])
 def test_inf_and_nan_data_warn_nothing(variant, momentum):

@@ -82,6 +82,16 @@ def _moments(layout: Plan, input: Array, axis: int, count: int) -> tuple[Array, 
     return kernels.moments(shift, sum_d, sum_d2, count)
 
 
+def _saved_invstd(invstd: Array, stat_dtype: np.dtype, eps: float) -> Array:
+    """``invstd`` in the saved statistics' dtype. Beyond float32's range (a variance below
+    ~1e-77 with an eps below that: eps 0) it is inf there, without NumPy's overflow warning (the
+    API never warns); the check of eps first, since np.errstate costs more than the cast."""
+    if eps > 1e-76 or stat_dtype == np.float64:
+        return invstd.astype(stat_dtype)
+    with np.errstate(over="ignore"):
+        return invstd.astype(stat_dtype)
+
+
 def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Array, int]:
     input = check.data_array("input", input)
     grad_out = check.data_array("grad_out", grad_out)
@@ -251,7 +261,7 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
             assert fused is not None  # (a one-call or fused plan: _direct)
             mean, var, invstd = fused
             kernels.update_running_stats(running_mean, running_var, mean, var, momentum, count)
-        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), None
+        return output, mean.astype(stat_dtype), _saved_invstd(invstd, stat_dtype, eps), None
     layout = plan(input, None, axis, threads, chunked=plain,
                   layout=None if known is None else known.layout)
     if known is None:
@@ -292,7 +302,7 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     output = layout.finish_output(output, out)
 
     if train:
-        return output, mean.astype(stat_dtype), invstd.astype(stat_dtype), mask
+        return output, mean.astype(stat_dtype), _saved_invstd(invstd, stat_dtype, eps), mask
     return output, np.empty(0, dtype=stat_dtype), np.empty(0, dtype=stat_dtype), mask
 
 
