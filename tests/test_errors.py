@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import bngrad
-from bngrad import BngradError
+from bngrad import BngradError, reference
+from tolerances import assert_close
 
 F32 = np.float32
 F64 = np.float64
@@ -208,6 +209,34 @@ def test_read_only_running_stats_in_train_mode():
     rm.flags.writeable = False
     with pytest.raises(ValueError, match="running_mean"):
         bngrad.batch_norm_forward(**{**kwargs, "running_mean": rm})
+
+
+@pytest.mark.parametrize("case", ["self", "each_other", "interleaved"])
+def test_running_stats_whose_elements_overlap_in_train_mode(case):
+    """Running statistics whose channels share memory would each keep whichever update came
+    last (silently wrong values, found by hostile testing): refused, as an overlapping out=;
+    two statistics interleaved in one buffer, without a shared element, work."""
+    kwargs = _base()["forward"]
+    C = kwargs["running_mean"].shape[0]
+    buffer = np.zeros(2 * C, kwargs["running_mean"].dtype)
+    if case == "self":
+        rm = np.lib.stride_tricks.as_strided(buffer[:1], (C,), (0,))
+        stats = {"running_mean": rm, "running_var": kwargs["running_var"].copy()}
+    else:
+        rm = buffer[0::2] if case == "interleaved" else buffer[:C]
+        stats = {"running_mean": rm, "running_var": buffer[1::2] if case == "interleaved"
+                 else buffer[:C]}
+    if case == "interleaved":
+        bngrad.batch_norm_forward(**{**kwargs, **stats})
+        expected = reference.batch_norm_forward(**{**kwargs, "running_mean": np.zeros(C),
+                                                   "running_var": np.zeros(C)})
+        assert_close(stats["running_mean"], expected[3], rm.dtype, "running_mean")
+        assert_close(stats["running_var"], expected[4], rm.dtype, "running_var")
+        return
+    name = "running_mean" + (", running_var" if case == "each_other" else "")
+    with pytest.raises(ValueError, match=name):
+        bngrad.batch_norm_forward(**{**kwargs, **stats})
+    bngrad.batch_norm_forward(**{**kwargs, **stats, "train": False})  # only read in eval
 
 
 @pytest.mark.parametrize("func", ["backward", "forward"])

@@ -172,6 +172,25 @@ def required_param_vector(name: str, value: Any, input: np.ndarray, axis: int) -
     return _param_array(name, value, input, axis)
 
 
+def running_stats_writable(running_mean: Optional[np.ndarray],
+                           running_var: Optional[np.ndarray]) -> None:
+    """ArgumentValueError unless the running statistics (updated in place in training) can
+    each take their channels' values: writable, their elements distinct, not each other's."""
+    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
+        if value is None:
+            continue
+        if not value.flags.writeable:
+            raise ArgumentValueError(f"{name}: expected a writable array (it is updated in place "
+                                     "in train mode), got a read-only array")
+        output_overlapping_itself(name, value)
+    if (running_mean is not None and running_var is not None
+            and np.may_share_memory(running_mean, running_var)
+            and np.shares_memory(running_mean, running_var)):
+        raise ArgumentValueError(
+            "running_mean, running_var: they share memory, so each update (in place, in train "
+            "mode) would overwrite the other's; pass two separate arrays")
+
+
 def running_var(value: Optional[np.ndarray]) -> None:
     """A variance is never negative; a negative entry is the trace of a swapped argument order
     (F.batch_norm's running_var slot holds bngrad's bias), which shapes and dtypes cannot show.

@@ -16,7 +16,6 @@ from . import _validate as check
 from . import kernels
 from ._layout import Plan, _Layout, _Shape, kernel_input, plan
 from ._threads import resolve_num_threads
-from .errors import ArgumentValueError
 
 __all__ = [
     "batch_norm_backward",
@@ -241,10 +240,8 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     threads = check.num_threads(num_threads)
     out = check.out_array(out, input, None)
     check.running_var(running_var)
-    for name, value in (("running_mean", running_mean), ("running_var", running_var)):
-        if value is not None and train and not value.flags.writeable:
-            raise ArgumentValueError(f"{name}: expected a writable array (it is updated in place "
-                                     "in train mode), got a read-only array")
+    if train:  # the running statistics are written in place
+        check.running_stats_writable(running_mean, running_var)
     n_channels = input.shape[axis]
     stat_dtype, compute = spec.stat, spec.compute
     threads = resolve_num_threads(threads)
