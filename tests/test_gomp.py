@@ -260,8 +260,8 @@ def test_unavailable_without_torch():
         from bngrad import _gomp
         assert not _gomp.available()
         assert _gomp.unavailable_reason() == "PyTorch is not installed", _gomp.unavailable_reason()
-        _gomp.set_torch_pool("torch")
-        assert _gomp.torch_pool().startswith("numba (PyTorch's OpenMP team is unavailable")
+        _gomp.set_kernel_pool("torch")
+        assert _gomp.kernel_pool().startswith("numba (PyTorch's OpenMP team is unavailable")
         try:
             _gomp.parallel_address()
         except RuntimeError as exc:

@@ -491,6 +491,9 @@ def test_sequential_fuses_bn_relu_pairs_by_its_chain():
                         Untraceable(), nn.BatchNorm2d(3), nn.Identity()).double()
     ours = _fuse(ref)
     assert isinstance(ours, nn.Sequential) and ours.fused_pairs == (("1", "2"),)
+    # the class its repr names is public (found by a newcomer's walk through the docs)
+    assert isinstance(ours, bt.FusedSequential)
+    assert repr(ours).startswith("bngrad.torch.FusedSequential(")
     assert isinstance(ours[1], bt.BatchNorm2d) and isinstance(ours[4], bt.BatchNorm2d)
     report = ours.bngrad_fusion_report
     assert [n for n, _ in report.fused] == ["1"] and report.untraced == []

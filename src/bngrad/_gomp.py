@@ -11,12 +11,12 @@ it and says when to use it; kernels._launch has the launchers.
   (:func:`parallel_address`). :func:`available` is False, with :func:`unavailable_reason`
   saying why, when PyTorch is not installed, not built with OpenMP, or its libgomp cannot be
   found or is not loaded; bngrad.torch then falls back to Numba's pool, silently, and
-  :func:`torch_pool` (``bngrad.torch.kernel_pool()``) says so.
+  :func:`kernel_pool` (``bngrad.torch.kernel_pool()``) says so.
 - **The choice**: bngrad.torch's entry points run under :func:`on_torch_team` (a context
   variable: each Python thread and asyncio task has its own); ``kernels.launcher`` asks
   :func:`use_torch_team` at every parallel launch. NumPy callers never set it and keep
   Numba's TBB pool, fork- and thread-safe as before. The team is the default (docs/torch.md,
-  "Threads", has the measurements): :func:`set_torch_pool` ``("numba")`` (or the environment
+  "Threads", has the measurements): :func:`set_kernel_pool` ``("numba")`` (or the environment
   variable ``BNGRAD_TORCH_POOL=numba``) goes back to Numba's pool.
 - **Fork**: GNU OpenMP is not fork-safe: a team the parent had (PyTorch's or bngrad's) refers,
   in the child, to threads that no longer exist, and a parallel region there never ends
@@ -41,7 +41,7 @@ import warnings
 from typing import Any, Callable, Optional, TypeVar, cast
 
 __all__ = ["POOLS", "available", "forked", "on_torch_team", "parallel_address",
-           "set_torch_pool", "thread_num_address", "torch_pool", "unavailable_reason",
+           "set_kernel_pool", "thread_num_address", "kernel_pool", "unavailable_reason",
            "use_torch_team"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -189,7 +189,7 @@ _on_team: contextvars.ContextVar[bool] = contextvars.ContextVar("bngrad_torch_te
                                                                 default=False)
 
 
-def set_torch_pool(pool: str) -> None:
+def set_kernel_pool(pool: str) -> None:
     """Choose the pool bngrad.torch's kernels run on: ``"torch"`` (PyTorch's OpenMP team, the
     default) or ``"numba"`` (Numba's TBB pool, as the NumPy API's; better where other processes
     keep the cores busy). The environment variable ``BNGRAD_TORCH_POOL`` sets the pool at
@@ -206,7 +206,7 @@ def set_torch_pool(pool: str) -> None:
     _pool = pool
 
 
-def torch_pool() -> str:
+def kernel_pool() -> str:
     """The pool bngrad.torch's kernels run on now: ``"torch"``, or ``"numba"``, followed by why
     where ``"torch"`` was chosen but PyTorch's libgomp is unavailable (the silent fallback)."""
     if _pool == "numba":

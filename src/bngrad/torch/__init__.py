@@ -8,7 +8,8 @@
 - :func:`convert` / :func:`revert`: swap the batch norms of a model either way;
   ``convert(model, fuse=True)`` also fuses BN→ReLU and BN→add→ReLU (torch.fx), reporting
   what it did in ``model.bngrad_fusion_report`` (:class:`FusionReport`) and, where a pattern
-  was refused or a forward could not be traced, a :class:`FusionWarning`;
+  was refused or a forward could not be traced, a :class:`FusionWarning`; an ``nn.Sequential``
+  with adjacent [BatchNorm, ReLU] children becomes a :class:`FusedSequential`;
 - :class:`SyncBatchNorm`: batch norm synchronized across processes (torch.distributed);
 - ``torch.ops.bngrad.*``: the custom operators (:mod:`bngrad.torch.ops`), traceable by
   ``torch.compile`` and ``torch.export``.
@@ -36,15 +37,16 @@ from .fused import (BatchNormAddReLU1d, BatchNormAddReLU2d, BatchNormAddReLU3d, 
 from .modules import BatchNorm1d, BatchNorm2d, BatchNorm3d, convert, revert  # noqa: E402
 from .sync import CollectiveError, SyncBatchNorm  # noqa: E402
 from ._fuse import FusionReport, FusionWarning  # noqa: E402
+from ._fuse import _FusedSequential as FusedSequential  # noqa: E402  (its repr's name)
 
 __all__ = ["BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "BatchNormAddReLU1d", "BatchNormAddReLU2d",
            "BatchNormAddReLU3d", "BatchNormReLU1d", "BatchNormReLU2d", "BatchNormReLU3d",
-           "CollectiveError", "FusionReport", "FusionWarning", "SyncBatchNorm", "batch_norm",
+           "CollectiveError", "FusedSequential", "FusionReport", "FusionWarning",
+           "SyncBatchNorm", "batch_norm",
            "batch_norm_add_relu", "batch_norm_relu", "convert", "ops", "revert"]
 
-# Which pool runs the kernels of bngrad.torch's calls: Numba's by default, PyTorch's own OpenMP
-# team with set_kernel_pool("torch") (bngrad._gomp; docs/torch.md, "Threads").
-from .._gomp import set_torch_pool as set_kernel_pool  # noqa: E402
-from .._gomp import torch_pool as kernel_pool  # noqa: E402
+# Which pool runs the kernels of bngrad.torch's calls: PyTorch's own OpenMP team by default,
+# Numba's with set_kernel_pool("numba") (bngrad._gomp; docs/torch.md, "Threads").
+from .._gomp import kernel_pool, set_kernel_pool  # noqa: E402
 
 __all__ += ["kernel_pool", "set_kernel_pool"]

@@ -188,8 +188,9 @@ _GRAPH_OPS = (bn_relu, bn_add_relu)
 class _FusedSequential(nn.Sequential):
     """An ``nn.Sequential`` whose adjacent [bngrad BatchNorm, ``nn.ReLU``] children named in
     ``fused_pairs`` run as one fused pass (:func:`bn_relu`); its children, indexing, slicing
-    (a plain chain) and iteration are the original's. :func:`unfuse_model` makes it an
-    ``nn.Sequential`` again."""
+    (a plain chain) and iteration are the original's. What ``convert(model, fuse=True)`` puts
+    in an exact ``nn.Sequential``'s place (``bngrad.torch.FusedSequential``); ``revert`` makes
+    it an ``nn.Sequential`` again (:func:`unfuse_model`)."""
 
     fused_pairs: Tuple[Tuple[str, str], ...] = ()  # (batch norm, ReLU) child names
 
