@@ -1041,6 +1041,20 @@ def test_a_shifted_channel_is_named(tmp_path):
     assert vectors.compare(g, {"dx": dx.astype(np.float32)}, atol=atol.max()).passed
 
 
+def test_exact_vectors_take_no_mean_test():
+    """Exact vectors are judged by equality alone: one element off fails as one element
+    over, without the mean test's diagnosis of a channel "shifted as a whole" (at atol 0 it
+    fired on any error, one ULP included, and named a missing term; found by a newcomer
+    following docs/dsp.md's example)."""
+    g = vectors.generate(4, 64, "fp16", dist="exact")
+    dx = g.expected["dx"].copy()
+    dx[0, 9] = np.float16(dx[0, 9]) + np.float16(0.0625)
+    report = vectors.compare(g, {"dx": dx})
+    dx_report = report.outputs[0]
+    assert not report.passed and dx_report.over == 1 and dx_report.shifted == 0
+    assert "shifted as a whole" not in report.format()
+
+
 def test_compare_takes_bytes_paths_and_refuses_a_transposed_array(tmp_path):
     out = write(tmp_path, batch=4, channel=8)
     g = vectors.load_vectors(out)

@@ -50,8 +50,9 @@ method gets its relative error small; and one channel's large terms must not wid
 bound. The manifest stores the largest channel's ``atol`` and ``scale``; :func:`compare`
 derives each channel's from the inputs. dx's channels must also not be shifted as a whole:
 the mean of a channel's errors must be within ``atol_c / 2`` (a missing term shifts every
-element of a channel alike, by less than ``atol_c`` when the batch is large). Given
-``atol``/``rtol`` or ``ulp`` apply to every element as they are, without the mean test.
+element of a channel alike, by less than ``atol_c`` when the batch is large; not on
+``exact`` vectors, where any error fails). Given ``atol``/``rtol`` or ``ulp`` apply to every
+element as they are, without the mean test.
 Tolerances must be finite and >= 0, whether given as arguments or read from a manifest.
 
 Files and limits
@@ -1170,10 +1171,11 @@ def compare(vectors: Union[GoldenVectors, PathLike],
         default = vectors.tolerances[name]
         given_atol: Union[float, np.ndarray] = atol if atol is not None else default["atol"]
         mean_tol = None
-        if atol is None and rtol is None and ulp is None and default["scale"] > 0:
+        if atol is None and rtol is None and ulp is None and default["atol"] > 0:
             # The defaults per channel: the manifest's atol is the largest channel's, each
             # channel's in proportion to its own terms; and dx's channels must not be
-            # shifted as a whole (module docstring).
+            # shifted as a whole (module docstring). Not for exact vectors (atol 0): any
+            # error fails there, and its mean says nothing of a missing term.
             if channel_scales is None:
                 channel_scales = _channel_term_scales(vectors.arrays, vectors.is_train)
             given_atol = default["atol"] * (channel_scales[name] / default["scale"])
