@@ -290,13 +290,18 @@ def test_second_derivatives_are_defined_where_pytorchs_are(train, with_side, pat
     side = z if with_side else torch.zeros_like(z)
 
     def second(y):
+        """Second derivatives (i, j) and, by key (i, j, j), the third with respect to the
+        same tensor again (a derivative made of the ReLU's zero alone must stay in the
+        graph too: it raised "does not require grad")."""
         firsts = torch.autograd.grad((y * v).sum(), (x, w, b), create_graph=True)
         results = {}
         for i, first in enumerate(firsts):
             for j, t in enumerate((x, w, b)):
                 try:
                     results[i, j] = torch.autograd.grad((first * first).sum(), t,
-                                                        retain_graph=True)[0]
+                                                        create_graph=True)[0]
+                    results[i, j, j] = torch.autograd.grad((results[i, j] * v[0, 0, 0]).sum(),
+                                                           t, retain_graph=True)[0]
                 except RuntimeError as error:
                     assert "not have been used in the graph" in str(error)
                     results[i, j] = None
@@ -307,8 +312,11 @@ def test_second_derivatives_are_defined_where_pytorchs_are(train, with_side, pat
     theirs = second(F.relu(F.batch_norm(x, rm.clone(), rv.clone(), w, b, train) + side))
     assert {k for k, e in theirs.items() if e is None} == set()
     for key, expected in theirs.items():
-        assert ours[key] is not None, f"d grad {'xwb'[key[0]]} / d {'xwb'[key[1]]} undefined"
-        assert_close(ours[key].detach().numpy(), expected.numpy(), what=str(key), factor=4)
+        assert ours.get(key) is not None, f"{key} undefined (0: x, 1: weight, 2: bias)"
+        if len(key) == 3 and train:  # PyTorch's third order in training is wrong (bngrad.torch.ops)
+            continue
+        assert_close(ours[key].detach().numpy(), expected.detach().numpy(), what=str(key),
+                     factor=4)
 
 
 # --- found by hostile testing: tracers, forward-mode AD, argument checks -----------------------

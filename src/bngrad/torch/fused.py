@@ -74,13 +74,16 @@ class _Masked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, grad_out, passes, *sources):
         ctx.passes = passes
-        ctx.sources = [(s.shape, s.dtype, s.device) for s in sources]
+        ctx.save_for_backward(*sources)  # (kept already: the forward's input and parameters)
         return torch.where(passes, grad_out, 0)
 
     @staticmethod
     def backward(ctx, grad):
-        zeros = [torch.zeros(shape, dtype=dtype, device=device) if need else None
-                 for (shape, dtype, device), need in zip(ctx.sources, ctx.needs_input_grad[2:])]
+        # Each zero depends on its source (a where that never selects it: 0 even where the
+        # source is inf or NaN), so that a derivative made of it alone can be differentiated
+        # again, to 0, as PyTorch's can.
+        zeros = [torch.where(torch.zeros_like(s, dtype=torch.bool), s, 0) if need else None
+                 for s, need in zip(ctx.saved_tensors, ctx.needs_input_grad[2:])]
         return (torch.where(ctx.passes, grad, 0), None, *zeros)
 
 
