@@ -319,6 +319,33 @@ def test_second_derivatives_are_defined_where_pytorchs_are(train, with_side, pat
                      factor=4)
 
 
+@pytest.mark.parametrize("form", ["batch_norm", "relu", "add-relu"])
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+def test_batched_grad_outputs_give_pytorchs_jacobian(form, train):
+    """``jacobian(..., vectorize=True)`` runs the backward once on a batch of grad_outputs
+    (``is_grads_batched``, autograd's vmap), which have no NumPy view: the eager backward
+    raised "Batching rule not implemented for aten::detach" (found by hostile testing); it
+    takes the torch-operation backward then, and gives PyTorch's Jacobian."""
+    x = _t((3, 2, 4), seed=1).requires_grad_()
+    w, b, z = _t(2, seed=2) + 0.8, _t(2, seed=3), _t((3, 2, 4), seed=4)
+    rm, rv = _t(2, seed=5), _t(2, seed=6).abs() + 0.5
+
+    def ours(x):
+        if form == "batch_norm":
+            return bt.batch_norm(x, rm.clone(), rv.clone(), w, b, train)
+        if form == "relu":
+            return bt.batch_norm_relu(x, rm.clone(), rv.clone(), w, b, train)
+        return bt.batch_norm_add_relu(x, z, rm.clone(), rv.clone(), w, b, train)
+
+    def theirs(x):
+        y = F.batch_norm(x, rm.clone(), rv.clone(), w, b, train)
+        return y if form == "batch_norm" else F.relu(y + z if form == "add-relu" else y)
+
+    expected = torch.autograd.functional.jacobian(theirs, x, vectorize=True)
+    got = torch.autograd.functional.jacobian(ours, x, vectorize=True)
+    assert_close(got.numpy(), expected.numpy(), what="jacobian", factor=4)
+
+
 # --- found by hostile testing: tracers, forward-mode AD, argument checks -----------------------
 
 @pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])

@@ -99,7 +99,7 @@ class _BatchNorm(torch.autograd.Function):
         input, weight, bias, running_mean, running_var = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = (need[0], need[1] and weight is not None, need[2] and bias is not None)
-        if torch.is_grad_enabled():
+        if differentiable(grad_out):
             return _differentiable_backward(ctx, ctx.saved_tensors, grad_out, mask) + (None,) * 5
         if grad_out.dtype != input.dtype:  # autograd may hand over a grad of another dtype
             grad_out = grad_out.to(input.dtype)
@@ -114,19 +114,41 @@ class _BatchNorm(torch.autograd.Function):
         return (grad_input, _as(grad_weight, weight), _as(grad_bias, bias)) + (None,) * 5
 
 
+def differentiable(grad_out: Tensor) -> bool:
+    """Whether a backward must be made of torch operations, not run on NumPy views: when it is
+    itself differentiated (``create_graph=True``), and when ``grad_out`` is batched
+    (``torch.autograd.grad(..., is_grads_batched=True)``, ``jacobian(..., vectorize=True)``:
+    autograd's vmap over the backward, whose batched tensors have no NumPy view)."""
+    return torch.is_grad_enabled() or _legacy_batched(grad_out)
+
+
+_legacy_batched = getattr(torch._C._functorch, "is_legacy_batchedtensor", lambda t: False)
+
+
 def _differentiable_backward(ctx, saved, grad_out, mask):
-    """The backward as a graph that can be differentiated again: the forward is recomputed
-    with the custom op (running statistics left alone) and differentiated by autograd."""
+    """The backward as a graph that can be differentiated again (or, for a batched grad_out,
+    of torch operations; see :func:`differentiable`): the forward is recomputed with the
+    custom op (running statistics left alone) and differentiated by autograd."""
     input, weight, bias, running_mean, running_var = saved
     wanted = [t for t, m in zip((input, weight, bias), mask) if m]
     if not wanted:
         return None, None, None
-    output = torch.ops.bngrad.batch_norm_forward(
-        input, weight, bias, None if ctx.training else running_mean,
-        None if ctx.training else running_var, ctx.training, 0.0, ctx.eps)[0]
-    grads = iter(torch.autograd.grad(output, wanted, grad_out, create_graph=True,
-                                     allow_unused=True))
+    grads = iter(recomputed_grads(ctx, input, weight, bias, running_mean, running_var, wanted,
+                                  grad_out))
     return tuple(next(grads) if m else None for m in mask)
+
+
+def recomputed_grads(ctx, input, weight, bias, running_mean, running_var, wanted, grad_out):
+    """Gradients of batch norm's forward, recomputed by the custom op, with respect to
+    ``wanted`` at ``grad_out``: a graph of its own where the backward is differentiated
+    (grad mode on), else plain values (the recomputation needs grad mode all the same)."""
+    create_graph = torch.is_grad_enabled()
+    with torch.enable_grad():
+        output = torch.ops.bngrad.batch_norm_forward(
+            input, weight, bias, None if ctx.training else running_mean,
+            None if ctx.training else running_var, ctx.training, 0.0, ctx.eps)[0]
+        return torch.autograd.grad(output, wanted, grad_out, create_graph=create_graph,
+                                   allow_unused=True)
 
 
 def batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps):

@@ -294,7 +294,7 @@ class _BatchNormReLU(torch.autograd.Function):
         need = ctx.needs_input_grad
         mask = (need[0], need[1] and weight is not None, need[2] and bias is not None,
                 need[3] and ctx.has_side)
-        if torch.is_grad_enabled():
+        if _eager.differentiable(grad_out):
             return _differentiable_backward(ctx, ctx.saved_tensors, grad_out, mask) + (None,) * 6
         if grad_out.dtype != input.dtype:
             grad_out = grad_out.to(input.dtype)
@@ -330,9 +330,10 @@ def _forward(input, weight, bias, side_input, running_mean, running_var, trainin
 
 
 def _differentiable_backward(ctx, saved, grad_out, mask):
-    """The backward as a graph that can be differentiated again: batch norm's forward is
-    recomputed with the custom op (running statistics left alone) and differentiated by
-    autograd at the masked gradient g, which is also the side input's gradient. (g depends on
+    """The backward as a graph that can be differentiated again (or, for a batched grad_out,
+    of torch operations: _eager.differentiable): batch norm's forward is recomputed with the
+    custom op (running statistics left alone) and differentiated by autograd at the masked
+    gradient g, which is also the side input's gradient. (g depends on
     the forward's input, weight and bias with a zero derivative (_Masked); not on its side
     input, which is not kept for the backward.)"""
     input, weight, bias, running_mean, running_var = saved
@@ -344,11 +345,8 @@ def _differentiable_backward(ctx, saved, grad_out, mask):
     wanted = [t for t, m in zip((input, weight, bias), mask) if m]
     grads: Iterator[Optional[Tensor]] = iter([])
     if wanted:
-        output = torch.ops.bngrad.batch_norm_forward(
-            input, weight, bias, None if ctx.training else running_mean,
-            None if ctx.training else running_var, ctx.training, 0.0, ctx.eps)[0]
-        grads = iter(torch.autograd.grad(output, wanted, g, create_graph=True,
-                                         allow_unused=True))
+        grads = iter(_eager.recomputed_grads(ctx, input, weight, bias, running_mean,
+                                             running_var, wanted, g))
     return tuple(next(grads) if m else None for m in mask[:3]) + (g if mask[3] else None,)
 
 
