@@ -333,9 +333,9 @@ def _differentiable_backward(ctx, saved, grad_out, mask):
     """The backward as a graph that can be differentiated again (or, for a batched grad_out,
     of torch operations: _eager.differentiable): batch norm's forward is recomputed with the
     custom op (running statistics left alone) and differentiated by autograd at the masked
-    gradient g, which is also the side input's gradient. (g depends on
-    the forward's input, weight and bias with a zero derivative (_Masked); not on its side
-    input, which is not kept for the backward.)"""
+    gradient g, which is also the side input's gradient. (g depends on the forward's input,
+    weight and bias with a zero derivative (_Masked); not on its side input, which is not kept
+    for the backward.)"""
     input, weight, bias, running_mean, running_var = saved
     g = grad_out
     if ctx.relu_mask is not None:
