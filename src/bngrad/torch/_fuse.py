@@ -97,7 +97,8 @@ class FusionReport:
 
     def __str__(self) -> str:
         lines = [f"bngrad.torch.convert(fuse=True): {len(self.fused)} batch norm(s) fused, "
-                 f"{len(self.unfused)} not"]
+                 f"{len(self.unfused)} not" + (f", {len(self.untraced)} module(s) not traced"
+                                               if self.untraced else "")]
         lines += [f"  fused     {name or '<model>'}: {how}" for name, how in self.fused]
         lines += [f"  not fused {name or '<model>'}: {why}" for name, why, _ in self.unfused]
         lines += [f"  not traced {name or '<model>'} (the batch norms its own forward calls "
@@ -255,6 +256,11 @@ class _Tracer(fx.Tracer):
 
 # forward code that an fx graph does not record: grad mode and autocast switched inside it
 _UNRECORDED = re.compile(r"\b(no_grad|enable_grad|set_grad_enabled|inference_mode|autocast)\b")
+# ... an attribute assigned on self (a cached feature, a counter: the trace assigns it once);
+# {} is the name of the function's first argument
+_SELF_ASSIGNED = r"(?<![\w.])({}(?:\.\w+)+)\s*(?:[-+*/%&|^@]|//|\*\*|<<|>>)?=(?!=)"
+# ... random numbers drawn outside PyTorch (Python's random, NumPy's: the trace draws once)
+_UNTRACED_RANDOM = re.compile(r"(?<![\w.])((?:np\.|numpy\.)?random)\.\w+\(")
 
 
 def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
@@ -269,10 +275,11 @@ def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
         own = [name for klass in type(module).__mro__[:-1] if issubclass(klass, nn.Module)
                and klass.__module__.split(".")[0] != "torch"
                for name, value in vars(klass).items()
-               if callable(value) and not name.startswith("_") and name != "forward"]
+               if (callable(value) or inspect.isdatadescriptor(value))
+               and not name.startswith("_") and name != "forward"]
         if own:
-            return (f"its class has methods besides forward ({', '.join(sorted(set(own)))}), "
-                    "which a traced module would lose")
+            return (f"its class has methods or properties besides forward "
+                    f"({', '.join(sorted(set(own)))}), which a traced module would lose")
     # forward, and the functions it calls by name, methods of its class or of its module
     # (fx traces through them; one level deep)
     forward = type(module).forward
@@ -299,6 +306,15 @@ def _untraceable(module: nn.Module, child: bool) -> Optional[str]:
         found = _UNRECORDED.search(text)
         if found:
             return f"{where} uses {found.group(1)}, which an fx graph does not record"
+        first = next(iter(inspect.signature(function).parameters), None)
+        found = first and re.search(_SELF_ASSIGNED.format(re.escape(first)), text)
+        if found:
+            return (f"{where} assigns {found.group(1)}, which an fx graph would assign once, "
+                    "while tracing, not at every call")
+        found = _UNTRACED_RANDOM.search(text)
+        if found:
+            return (f"{where} draws numbers from {found.group(1)}, which an fx graph would "
+                    "draw once, while tracing (torch's own random ops are recorded)")
         if re.search(r"\.training\b", text):
             return (f"{where} reads a training flag, whose value an fx graph would freeze "
                     "(train and eval mode, of any module, would run the same ops)")
@@ -362,9 +378,10 @@ def _trace(module: nn.Module, child: bool = False) -> Tuple[fx.Graph, nn.Module]
     def code(g: fx.Graph) -> str:  # (the constants of each trace are numbered apart)
         return re.sub(r"_tensor_constant\d+", "_tensor_constant", g.python_code("self").src)
     if code(graph) != code(flipped):
-        raise RuntimeError("its traced ops differ between train and eval mode (control flow on "
-                           "self.training, or a value read from a module that changes with "
-                           "the mode), which an fx graph would freeze")
+        raise RuntimeError("its traced ops differ between two traces, in train and eval mode "
+                           "(control flow on self.training, on a value read from a module "
+                           "that changes with the mode, or on anything else that changes from "
+                           "call to call), which an fx graph would freeze")
     return graph, traced
 
 
@@ -526,11 +543,13 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict)
 
 
 def _own_batch_norms(module: nn.Module, prefix: str, paths: Dict[int, List[str]],
-                     report: FusionReport) -> Dict[str, nn.Module]:
-    """bngrad's batch norms that only ``module``'s forward can call, by path: its children,
-    and those in its ModuleList / ModuleDict containers; a batch norm also reachable by
-    another path (``paths``) is left out, reported: it may be called from elsewhere too."""
+                     report: FusionReport) -> Tuple[Dict[str, nn.Module], bool]:
+    """(bngrad's batch norms that only ``module``'s forward can call, by path: its children,
+    and those in its ModuleList / ModuleDict containers; whether it has others, reachable by
+    another path too (``paths``): those are left out, reported, as they may be called from
+    elsewhere)."""
     found: Dict[str, nn.Module] = {}
+    shared = False
     todo = [("", module)]
     while todo:
         at, parent = todo.pop()
@@ -540,6 +559,7 @@ def _own_batch_norms(module: nn.Module, prefix: str, paths: Dict[int, List[str]]
             if type(child) in _FUSED:
                 where = paths[id(child)]
                 if len(where) > 1:
+                    shared = True
                     if f"{prefix}{at}{name}" == where[0]:  # (said once)
                         report.unfused.append((where[0], "the same module is also "
                                                f"{', '.join(where[1:])}: one module cannot be "
@@ -548,7 +568,7 @@ def _own_batch_norms(module: nn.Module, prefix: str, paths: Dict[int, List[str]]
                 found[at + name] = child
             elif type(child) in _CONTAINERS:
                 todo.append((f"{at}{name}.", child))
-    return found
+    return found, shared
 
 
 def _pure(module: Optional[nn.Module]) -> bool:
@@ -615,16 +635,27 @@ def _opaque(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
     return False
 
 
+def _followed(calls: List[fx.Node], modules: Dict[str, nn.Module]) -> bool:
+    """Whether a ReLU, or an add then a ReLU, follows any of these batch-norm calls (a
+    pattern, refused for what the module is, not for its use)."""
+    return any(_match(call, modules)[0] is not None or _match(call, modules)[2]
+               for call in calls)
+
+
 def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, nn.Module],
-                report: FusionReport) -> bool:
+                report: FusionReport, followed: set) -> bool:
     """Rewrite the patterns of ``graph`` (traced from ``root``) of the batch norms ``root``
     owns, in place, into calls of :func:`bn_relu` / :func:`bn_add_relu`; returns whether
-    anything was fused."""
+    anything was fused. Adds to ``followed`` the ids of the other bngrad batch norms it calls
+    that a pattern follows (a shared one's report entry is then a refusal: fuse_model)."""
     modules = dict(root.named_modules())
     calls: Dict[str, List[fx.Node]] = {path: [] for path in owned}
     for node in graph.nodes:
         if node.op == "call_module" and node.target in calls:
             calls[node.target].append(node)
+        elif (node.op == "call_module" and type(modules.get(str(node.target))) in _FUSED
+              and _followed([node], modules)):
+            followed.add(id(modules[str(node.target)]))
     already = {str(n.args[0].target) for n in graph.nodes  # (an earlier convert's)
                if n.op == "call_function" and n.target in _GRAPH_OPS
                and isinstance(n.args[0], fx.Node)}
@@ -639,7 +670,8 @@ def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, 
         if len(nodes) != 1:
             report.unfused.append((name, f"the module is called {len(nodes)} times in the "
                                    "forward; one module cannot be fused and unfused"
-                                   if nodes else "the forward does not call it", False))
+                                   if nodes else "the forward does not call it",
+                                   _followed(nodes, modules)))
             continue
         bn = nodes[0]
         if _has_call_hooks(bn_module):
@@ -775,15 +807,18 @@ def _graph_module(root: nn.Module, traced: nn.Module, graph: fx.Graph) -> fx.Gra
 
 
 def _fuse_sequential(seq: nn.Sequential, prefix: str, owned: Dict[str, nn.Module],
-                     report: FusionReport) -> nn.Module:
+                     report: FusionReport, followed: set) -> nn.Module:
     """An ``nn.Sequential``'s forward is its chain: adjacent [bngrad BatchNorm*d, nn.ReLU]
-    children run fused, in a :class:`_FusedSequential` (``seq`` itself is left as it is)."""
+    children run fused, in a :class:`_FusedSequential` (``seq`` itself is left as it is);
+    ``followed`` as in :func:`_fuse_graph`."""
     names = list(seq._modules)
     pairs = []
     for i, first in enumerate(names):
-        if first not in owned:
-            continue
         relu = seq._modules[names[i + 1]] if i + 1 < len(names) else None
+        if first not in owned:
+            if type(seq._modules[first]) in _FUSED and type(relu) is nn.ReLU:
+                followed.add(id(seq._modules[first]))
+            continue
         name = f"{prefix}{first}"
         if type(relu) is not nn.ReLU:
             why = ("it is the last module of its nn.Sequential" if i + 1 == len(names) else
@@ -806,20 +841,21 @@ def _fuse_sequential(seq: nn.Sequential, prefix: str, owned: Dict[str, nn.Module
 
 
 def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport,
-               paths: Dict[int, List[str]], done: Dict[int, nn.Module]) -> nn.Module:
+               paths: Dict[int, List[str]], done: Dict[int, nn.Module], followed: set
+               ) -> nn.Module:
     """``module`` with the patterns in its own forward and in its descendants' fused; a
     module met again (shared) gets what it got the first time."""
     if id(module) in done:
         return done[id(module)]
     for name, child in list(module._modules.items()):
         if child is not None:
-            new = _fuse_tree(child, f"{prefix}{name}.", report, paths, done)
+            new = _fuse_tree(child, f"{prefix}{name}.", report, paths, done, followed)
             if new is not child:
                 module._modules[name] = new
     result = module
-    owned = _own_batch_norms(module, prefix, paths, report)
+    owned, shared = _own_batch_norms(module, prefix, paths, report)
     if type(module) is nn.Sequential:
-        result = _fuse_sequential(module, prefix, owned, report)
+        result = _fuse_sequential(module, prefix, owned, report, followed)
     elif type(module) is _FusedSequential:
         report.fused.extend((f"{prefix}{bn}", "fused already (by an earlier convert)")
                             for bn, _ in module.fused_pairs)
@@ -827,13 +863,15 @@ def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport,
         for path in owned:  # (traced, it would lose its indexing; its class is its own)
             report.unfused.append((f"{prefix}{path}", f"its nn.Sequential subclass "
                                    f"{type(module).__name__} is kept as it is", False))
-    elif owned and type(module) not in _CONTAINERS:
+    elif (owned or shared) and type(module) not in _CONTAINERS:
+        # (a module with shared batch norms only is traced to see whether a ReLU follows one)
         try:
             graph, traced = _trace(module, child=bool(prefix))
         except Exception as exc:  # any error of user code under tracing: fall back, say why
-            report.untraced.append((prefix.rstrip("."), f"{type(exc).__name__}: {exc}"))
+            if owned:
+                report.untraced.append((prefix.rstrip("."), f"{type(exc).__name__}: {exc}"))
         else:
-            if _fuse_graph(module, graph, prefix, owned, report):
+            if _fuse_graph(module, graph, prefix, owned, report, followed):
                 result = _graph_module(module, traced, graph)
     done[id(module)] = result
     return result
@@ -846,7 +884,12 @@ def fuse_model(module: nn.Module) -> nn.Module:
     paths: Dict[int, List[str]] = collections.defaultdict(list)
     for path, sub in module.named_modules(remove_duplicate=False):
         paths[id(sub)].append(path)
-    result = _fuse_tree(module, "", report, paths, {})
+    followed: set = set()
+    result = _fuse_tree(module, "", report, paths, {}, followed)
+    # a batch norm shared between modules, a ReLU after one of its calls: a refused pattern
+    shared = {where[0] for key, where in paths.items() if len(where) > 1 and key in followed}
+    report.unfused = [(name, why, refused or name in shared)
+                      for name, why, refused in report.unfused]
     result.__dict__["bngrad_fusion_report"] = report  # a plain attribute, not in state_dict
     if report.needs_attention:
         warnings.warn(str(report), FusionWarning, stacklevel=3)
