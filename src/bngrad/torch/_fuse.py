@@ -39,7 +39,7 @@ import itertools
 import operator
 import re
 import warnings
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Type, cast
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple, Type, cast
 
 import torch
 import torch.fx as fx
@@ -638,12 +638,15 @@ def _opaque(node: fx.Node, modules: Dict[str, nn.Module]) -> bool:
 def _followed(calls: List[fx.Node], modules: Dict[str, nn.Module]) -> bool:
     """Whether a ReLU, or an add then a ReLU, follows any of these batch-norm calls (a
     pattern, refused for what the module is, not for its use)."""
-    return any(_match(call, modules)[0] is not None or _match(call, modules)[2]
-               for call in calls)
+    for call in calls:
+        match, _, refused = _match(call, modules)
+        if match is not None or refused:
+            return True
+    return False
 
 
 def _fuse_graph(root: nn.Module, graph: fx.Graph, prefix: str, owned: Dict[str, nn.Module],
-                report: FusionReport, followed: set) -> bool:
+                report: FusionReport, followed: Set[int]) -> bool:
     """Rewrite the patterns of ``graph`` (traced from ``root``) of the batch norms ``root``
     owns, in place, into calls of :func:`bn_relu` / :func:`bn_add_relu`; returns whether
     anything was fused. Adds to ``followed`` the ids of the other bngrad batch norms it calls
@@ -807,7 +810,7 @@ def _graph_module(root: nn.Module, traced: nn.Module, graph: fx.Graph) -> fx.Gra
 
 
 def _fuse_sequential(seq: nn.Sequential, prefix: str, owned: Dict[str, nn.Module],
-                     report: FusionReport, followed: set) -> nn.Module:
+                     report: FusionReport, followed: Set[int]) -> nn.Module:
     """An ``nn.Sequential``'s forward is its chain: adjacent [bngrad BatchNorm*d, nn.ReLU]
     children run fused, in a :class:`_FusedSequential` (``seq`` itself is left as it is);
     ``followed`` as in :func:`_fuse_graph`."""
@@ -841,7 +844,7 @@ def _fuse_sequential(seq: nn.Sequential, prefix: str, owned: Dict[str, nn.Module
 
 
 def _fuse_tree(module: nn.Module, prefix: str, report: FusionReport,
-               paths: Dict[int, List[str]], done: Dict[int, nn.Module], followed: set
+               paths: Dict[int, List[str]], done: Dict[int, nn.Module], followed: Set[int]
                ) -> nn.Module:
     """``module`` with the patterns in its own forward and in its descendants' fused; a
     module met again (shared) gets what it got the first time."""
@@ -884,7 +887,7 @@ def fuse_model(module: nn.Module) -> nn.Module:
     paths: Dict[int, List[str]] = collections.defaultdict(list)
     for path, sub in module.named_modules(remove_duplicate=False):
         paths[id(sub)].append(path)
-    followed: set = set()
+    followed: Set[int] = set()
     result = _fuse_tree(module, "", report, paths, {}, followed)
     # a batch norm shared between modules, a ReLU after one of its calls: a refused pattern
     shared = {where[0] for key, where in paths.items() if len(where) > 1 and key in followed}
