@@ -1075,10 +1075,7 @@ def _run_items_impl(item, launch, n, args):
         call = item.dispatcher
 
         def on_this_thread(item, launch, n, args):
-            views = borrowed(args)
-            for i in range(n):
-                call(i, *views)
-            _hold(args)
+            _in_order(call, n, args)
         return on_this_thread
     from ._launch import _run_items  # (kernels._launch imports this module)
 

@@ -87,6 +87,12 @@ class _Masked(torch.autograd.Function):
         return (torch.where(ctx.passes, grad, 0), None, *zeros)
 
 
+def _masked(grad_out: Tensor, passes: Tensor, input: Tensor, weight: Optional[Tensor],
+            bias: Optional[Tensor]) -> Tensor:
+    """:class:`_Masked` of the forward's input and those of its parameters it was given."""
+    return _Masked.apply(grad_out, passes, *(t for t in (input, weight, bias) if t is not None))
+
+
 # --- torch.ops.bngrad.batch_norm_relu_forward --------------------------------------------------
 
 @torch.library.custom_op("bngrad::batch_norm_relu_forward", mutates_args=(), device_types="cpu")
@@ -162,8 +168,7 @@ def _forward_backward(ctx, grad_out, grad_save_mean, grad_save_invstd, *_):
     mask = [need[0], need[1] and ctx.has[0], need[2] and ctx.has[1], need[5] and ctx.has[2]]
     grads: list[Optional[Tensor]] = [None] * 4
     if grad_out is not None and torch.is_grad_enabled() and ctx.activation == "relu":
-        grad_out = _Masked.apply(grad_out, unpack_mask(relu_mask, input),
-                                 *(t for t in (input, weight, bias) if t is not None))
+        grad_out = _masked(grad_out, unpack_mask(relu_mask, input), input, weight, bias)
     if grad_out is not None and any(mask):
         outs = torch.ops.bngrad.batch_norm_relu_backward(
             grad_out, input, weight, running_mean, running_var, save_mean, save_invstd,
@@ -340,8 +345,7 @@ def _differentiable_backward(ctx, saved, grad_out, mask):
     g = grad_out
     if ctx.relu_mask is not None:
         passes = unpack_mask(torch.from_numpy(ctx.relu_mask), input)
-        g = _Masked.apply(grad_out, passes,
-                          *(t for t in (input, weight, bias) if t is not None))
+        g = _masked(grad_out, passes, input, weight, bias)
     wanted = [t for t, m in zip((input, weight, bias), mask) if m]
     grads: Iterator[Optional[Tensor]] = iter([])
     if wanted:
