@@ -5,6 +5,8 @@ modules' state, and what autograd keeps for the backward."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -365,43 +367,90 @@ def test_make_fx_in_real_mode_traces_the_ops(fused):
     assert torch.equal(graph(x2), f(x2))
 
 
-@pytest.mark.parametrize("form", ["batch_norm", "batch_norm_relu", "add_relu_module",
-                                  "frozen_module"])
-def test_forward_mode_ad_is_refused_not_dropped(form):
-    """bngrad has no forward derivative: a dual input is refused (its tangent was dropped,
-    reading as zero), where no argument requires grad as where one does."""
+def _bngrad_and_pytorch(form):
+    """(bngrad's callable, PyTorch's) for one form, the same state: the functional forms in
+    training mode, modules in eval mode with running statistics (a module in training mode
+    updates them in place, which torch.func refuses for PyTorch's module as for bngrad's)."""
+    z = _t((4, 3, 5), seed=1)
+    if form == "batch_norm":
+        return (lambda d: bt.batch_norm(d, None, None, training=True),
+                lambda d: F.batch_norm(d, None, None, training=True))
+    if form == "batch_norm_relu":
+        return (lambda d: bt.batch_norm_relu(d, None, None, training=True),
+                lambda d: F.relu(F.batch_norm(d, None, None, training=True)))
+    ours = (bt.BatchNormAddReLU1d(3) if form == "add_relu_module" else bt.BatchNorm1d(3))
+    ours = ours.double().eval()
+    with torch.no_grad():
+        ours.running_mean.uniform_(-1, 1)
+        ours.running_var.uniform_(0.5, 2)
+        ours.weight.uniform_(-2, 2)
+        ours.bias.uniform_(-1, 1)
+    theirs = bt.revert(copy.deepcopy(ours)) if form == "module" else nn.BatchNorm1d(3).double()
+    if form == "add_relu_module":
+        theirs.load_state_dict(ours.state_dict())
+        theirs.eval()
+        return (lambda d: ours(d, z)), (lambda d: F.relu(theirs(d) + z))
+    return ours, theirs
+
+
+_AUTODIFF_FORMS = ["batch_norm", "batch_norm_relu", "add_relu_module", "module"]
+
+
+@pytest.mark.parametrize("form", _AUTODIFF_FORMS)
+def test_forward_mode_ad_gives_pytorchs_tangents(form):
+    """bngrad has no forward derivative: a dual input runs on PyTorch's own batch norm (it was
+    refused; before that, its tangent was dropped, reading as zero), and gives PyTorch's
+    output and tangent, bitwise; a plain input in the same dual level is right too."""
     import torch.autograd.forward_ad as fwAD
-    x, z = _t((4, 3, 5)), _t((4, 3, 5), seed=1)
-    module = bt.BatchNormAddReLU1d(3).double()
-    frozen = bt.BatchNorm1d(3).double().requires_grad_(False)
-    call = {"batch_norm": lambda d: bt.batch_norm(d, None, None, training=True),
-            "batch_norm_relu": lambda d: bt.batch_norm_relu(d, None, None, training=True),
-            "add_relu_module": lambda d: module(d, z),
-            "frozen_module": frozen}[form]
+    ours, theirs = _bngrad_and_pytorch(form)
+    x, tangent = _t((4, 3, 5)), _t((4, 3, 5), seed=2)
     with fwAD.dual_level():
-        dual = fwAD.make_dual(x, torch.ones_like(x))
-        with pytest.raises(NotImplementedError, match="forward-mode AD"):
-            call(dual)
-        call(x)  # a plain input in the same dual level is fine
+        got = fwAD.unpack_dual(ours(fwAD.make_dual(x, tangent)))
+        want = fwAD.unpack_dual(theirs(fwAD.make_dual(x, tangent)))
+        torch.testing.assert_close(got.primal, want.primal, rtol=0, atol=0)
+        torch.testing.assert_close(got.tangent, want.tangent, rtol=0, atol=0)
+        torch.testing.assert_close(ours(x).detach(), theirs(x).detach())
 
 
-@pytest.mark.parametrize("form", ["module", "fused_module"])
-def test_torch_func_differentiating_transforms_are_refused_clearly(form):
-    """(Found by hostile testing.) torch.func.grad and jacrev failed with PyTorch's message
-    about an autograd.Function's setup_context, which names neither bngrad nor a way out;
-    vmap alone runs (PyTorch's per-sample fallback) and is right."""
+@pytest.mark.parametrize("form", _AUTODIFF_FORMS)
+def test_torch_func_transforms_give_pytorchs_derivatives(form):
+    """torch.func's differentiating transforms (grad, jacrev, jacfwd, hessian, and per-sample
+    gradients: vmap over grad) run on PyTorch's own batch norm, bitwise PyTorch's results
+    (they were refused: PyTorch's custom-operator autograd cannot run under them); vmap alone
+    runs bngrad's layer (PyTorch's per-sample fallback) and is right."""
     import warnings
-    m = (bt.BatchNormReLU2d(3) if form == "fused_module" else bt.BatchNorm2d(3)).double()
-    m.eval()
-    m.running_mean.uniform_(-1, 1)
-    x = _t((2, 3, 4, 4))
-    for transform in (torch.func.grad, torch.func.jacrev):
-        with pytest.raises(NotImplementedError, match="torch.func's grad, vjp, jacrev"):
-            transform(lambda t: m(t).sum())(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (PyTorch's: a slow per-sample fallback)
-        out = torch.func.vmap(m)(x[:, None])
-    torch.testing.assert_close(out[:, 0], m(x), rtol=0, atol=1e-12)
+    ours, theirs = _bngrad_and_pytorch(form)
+    x = _t((4, 3, 5))
+    for transform in (torch.func.grad, torch.func.jacrev, torch.func.jacfwd, torch.func.hessian):
+        got = transform(lambda t: ours(t).square().sum())(x)
+        want = transform(lambda t: theirs(t).square().sum())(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    if form == "module":  # per sample: each sample a batch of its own
+        per_sample = torch.func.vmap(torch.func.grad(lambda t: ours(t[None]).sum()))(x)
+        want = torch.func.vmap(torch.func.grad(lambda t: theirs(t[None]).sum()))(x)
+        torch.testing.assert_close(per_sample, want, rtol=0, atol=0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (PyTorch's: a slow per-sample fallback)
+            out = torch.func.vmap(ours)(x[:, None])
+        torch.testing.assert_close(out[:, 0], ours(x).detach())
+
+
+def test_torch_func_grad_trains_a_functional_model_as_pytorchs():
+    """The use torch.func.grad is for (MAML-like loops): functional_call over a converted
+    model's parameters, in training mode without running statistics, gives PyTorch's
+    gradients."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4, track_running_stats=False),
+                          nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 2)).double()
+    converted = bt.convert(copy.deepcopy(model), fuse=True)
+    x = _t((5, 3, 6, 6))
+
+    def loss(m):
+        return lambda p: torch.func.functional_call(m, p, (x,)).square().mean()
+    got = torch.func.grad(loss(converted))(dict(converted.named_parameters()))
+    want = torch.func.grad(loss(model))(dict(model.named_parameters()))
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
 
 
 def test_op_refuses_a_bool_mask():

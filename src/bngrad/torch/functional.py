@@ -75,7 +75,10 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     Notes
     -----
     Tensors on any other device than the CPU (CUDA, MPS, ...) are passed to
-    :func:`torch.nn.functional.batch_norm` instead, with a one-time ``RuntimeWarning``.
+    :func:`torch.nn.functional.batch_norm` instead, with a one-time ``RuntimeWarning``; so
+    are calls that forward-mode AD or ``torch.func``'s differentiating transforms (``grad``,
+    ``jacrev``, ``jvp``, ...) differentiate, which bngrad's kernels cannot serve
+    (:func:`needs_pytorch_autodiff`): the same results as PyTorch's, at PyTorch's speed.
     The kernels use at most ``torch.get_num_threads()`` threads.
     """
     if not isinstance(input, Tensor):
@@ -91,13 +94,12 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
             _fallback_warning(input.device)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
-    if input.dim() == 1 and input.numel() == 0:
-        # Nothing to normalise, and no channel axis to check against: PyTorch returns an empty
-        # result (still connected to weight and bias), so let PyTorch give it.
+    if (input.dim() == 1 and input.numel() == 0) or needs_pytorch_autodiff(input, weight, bias):
+        # Nothing to normalise, and no channel axis to check against (PyTorch returns an empty
+        # result, still connected to weight and bias); or a derivative only PyTorch's own
+        # operations give: PyTorch's batch norm.
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
-    refuse_forward_ad(input, weight, bias)
-    refuse_function_transforms()
     if _eager.applies(input):  # eager mode: straight to the NumPy API (see bngrad.torch._eager)
         return _eager.batch_norm(input, running_mean, running_var, weight, bias, bool(training),
                                  float(momentum), float(eps))
@@ -113,42 +115,34 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     return output
 
 
-def refuse_forward_ad(*tensors: Optional[Tensor]) -> None:
-    """NotImplementedError for an input with a forward-mode AD tangent: bngrad has no forward
-    derivative (jvp), and a tangent would otherwise be dropped without a word (as PyTorch's
-    custom operators drop it)."""
+def needs_pytorch_autodiff(*tensors: Optional[Tensor]) -> bool:
+    """Whether a call must run on PyTorch's own operations, which forward-mode AD and
+    torch.func's differentiating transforms can differentiate: an input carries a forward-mode
+    tangent (``torch.autograd.forward_ad``), or the call runs under ``torch.func.grad``,
+    ``vjp``, ``jacrev``, ``jacfwd``, ``jvp``, ``hessian`` (alone or inside ``vmap``). bngrad
+    has no forward derivative, and PyTorch's custom operators would drop a tangent without a
+    word and cannot run under those transforms. ``vmap`` alone and functionalization run
+    bngrad's layers as they are."""
+    return _has_tangent(tensors) or _under_differentiating_transform()
+
+
+def _has_tangent(tensors: tuple[Optional[Tensor], ...]) -> bool:
     if getattr(forward_ad, "_current_level", 0) < 0:  # no dual level open: no tangents (cheap)
-        return
-    for t in tensors:
-        if t is not None and forward_ad.unpack_dual(t).tangent is not None:
-            raise NotImplementedError(
-                "bngrad.torch: forward-mode AD (torch.autograd.forward_ad) is not supported: "
-                "bngrad's batch norm has no forward derivative; use torch.nn.functional's "
-                "batch norm (bngrad.torch.revert(model)) for forward-mode AD")
+        return False
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 _functorch = getattr(torch._C, "_functorch", None)
-# torch.func's differentiating transforms (grad, vjp, jacrev, jacfwd, jvp, hessian, ...); vmap
-# and functionalization run bngrad's layers as they are.
 _DIFFERENTIATING = tuple(getattr(getattr(_functorch, "TransformType", None), name)
                          for name in ("Grad", "Jvp")
                          if hasattr(getattr(_functorch, "TransformType", None), name))
 
 
-def refuse_function_transforms() -> None:
-    """NotImplementedError under torch.func's differentiating transforms (``grad``,
-    ``jacrev``, ``jvp``, ...): PyTorch's custom-operator autograd does not run under them, and
-    its own message (about an autograd.Function's ``setup_context``) names neither bngrad nor
-    a way out. ``vmap`` alone works (PyTorch's per-sample fallback)."""
+def _under_differentiating_transform() -> bool:
     if _functorch is None or not _eager._functorch_active():
-        return
+        return False
     stack = _functorch.get_interpreter_stack() or ()
-    if any(level.key() in _DIFFERENTIATING for level in stack):
-        raise NotImplementedError(
-            "bngrad.torch: torch.func's grad, vjp, jacrev, jacfwd and jvp are not supported by "
-            "bngrad's batch norm (PyTorch's custom operators cannot be differentiated under "
-            "them); use torch.autograd.grad, or torch.nn.functional's batch norm "
-            "(bngrad.torch.revert(model)) for torch.func")
+    return any(level.key() in _DIFFERENTIATING for level in stack)
 
 
 def _verify_batch_size(input: Tensor) -> None:

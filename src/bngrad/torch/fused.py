@@ -368,14 +368,15 @@ def _fused(input, side_input, running_mean, running_var, weight, bias, training,
     functional._verify_eps(eps, training)
     functional._verify_running_stats(running_mean, running_var, training)
     functional._verify_momentum(momentum)
-    if not is_supported_device(input):
-        if input.device.type != "meta":
+    # PyTorch's own sequence on other devices, and where forward-mode AD or torch.func must
+    # differentiate it (functional.needs_pytorch_autodiff)
+    supported = is_supported_device(input)
+    if not supported or functional.needs_pytorch_autodiff(input, weight, bias, side_input):
+        if not supported and input.device.type != "meta":
             functional._fallback_warning(input.device)
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
         y = y if side_input is None else y + side_input
         return F.relu(y) if activation == "relu" else y
-    functional.refuse_forward_ad(input, weight, bias, side_input)
-    functional.refuse_function_transforms()
     if _eager.applies(input) and (side_input is None or _eager.applies(side_input)):
         args = (input, weight, bias, side_input, running_mean, running_var, bool(training),
                 float(momentum), float(eps), activation)
