@@ -340,6 +340,38 @@ def test_the_synchronised_path_gives_pytorchs_layouts(monkeypatch, layout):
     assert_close(ours.running_mean.numpy(), theirs.running_mean.numpy(), what="running_mean")
 
 
+@pytest.mark.parametrize("how", ["forward_ad", "grad", "jvp"])
+def test_the_synchronised_path_refuses_forward_ad_and_torch_func_before_any_collective(
+        monkeypatch, how):
+    """The local layers run such calls on PyTorch's batch norm (docs/torch.md); the
+    synchronised one cannot (the group's statistics have no forward derivative): a clear
+    error on every rank, raised before the batch is counted and before the first collective,
+    which would otherwise wait on ranks that raised (here: a collective fails the test). Under
+    torch.func the count's in-place update raised PyTorch's message first."""
+    import torch.autograd.forward_ad as fwAD
+    from bngrad.torch import sync
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective was started")
+    monkeypatch.setattr(sync.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sync.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(sync, "_all_gather", no_collective)
+    monkeypatch.setattr(sync.dist, "all_reduce", no_collective)
+    layer = SyncBatchNorm(3, process_group="a group", dtype=torch.float64)
+    x = torch.randn(4, 3, 5, dtype=torch.float64)
+    with pytest.raises(NotImplementedError,
+                       match=r"SyncBatchNorm \(SyncBatchNorm\(3\)\): forward-mode AD and "
+                             r"torch.func's .* across processes \(2 ranks here\)"):
+        if how == "forward_ad":
+            with fwAD.dual_level():
+                layer(fwAD.make_dual(x, torch.ones_like(x)))
+        elif how == "grad":
+            torch.func.grad(lambda t: layer(t).sum())(x)
+        else:
+            torch.func.jvp(layer, (x,), (torch.ones_like(x),))
+    assert int(layer.num_batches_tracked) == 0  # the refused call was not counted
+
+
 def test_state_dict_and_constructor_match_torch():
     ours = SyncBatchNorm(5, eps=1e-3, momentum=None, affine=False, track_running_stats=True)
     theirs = torch.nn.SyncBatchNorm(5, eps=1e-3, momentum=None, affine=False)

@@ -36,6 +36,7 @@ from ..errors import ArgumentValueError, BngradError
 from ..kernels import inv_std
 from ._convert import from_numpy, output_like, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
+from .functional import needs_pytorch_autodiff
 from .fused import _FusedBatchNorm
 from .modules import _BngradModule, _replace, _share_state
 
@@ -266,6 +267,19 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """Batch norm of ``input``, with statistics of the whole group's batch in training."""
         self._check_input_dim(input)
+        group, world = None, 1
+        if self.training and dist.is_available() and dist.is_initialized():
+            group = self.process_group or dist.group.WORLD
+            world = dist.get_world_size(group)
+        layer = f"{type(self).__name__}({self.num_features})" if world > 1 else ""
+        if world > 1 and needs_pytorch_autodiff(input, self.weight, self.bias):
+            # (before the batch is counted and before any collective)
+            raise NotImplementedError(
+                f"SyncBatchNorm ({layer}): forward-mode AD and torch.func's differentiating "
+                f"transforms (grad, jacrev, jvp, ...) are not supported across processes "
+                f"({world} ranks here): the statistics of the whole group have no forward "
+                "derivative; use torch.autograd (reverse mode), or a batch norm per process "
+                "(bngrad.torch.BatchNorm2d, ...) under these transforms")
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
@@ -276,16 +290,9 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
         track = not self.training or self.track_running_stats
         running_mean = self.running_mean if track else None
         running_var = self.running_var if track else None
-
-        group, world = None, 1
-        if self.training and dist.is_available() and dist.is_initialized():
-            group = self.process_group or dist.group.WORLD
-            world = dist.get_world_size(group)
         if world <= 1:
             return batch_norm(input, running_mean, running_var, self.weight, self.bias,
                               bn_training, factor, self.eps)
-
-        layer = f"{type(self).__name__}({self.num_features})"
         if self._checked_group != id(group):
             _check_same_channels(input.size(1), layer, group, world)
             self._checked_group = id(group)
