@@ -15,6 +15,7 @@ from torch import nn  # noqa: E402
 from torch.autograd import gradcheck, gradgradcheck  # noqa: E402
 
 import bngrad.torch as bt  # noqa: E402
+from bngrad.errors import ArgumentTypeError, ArgumentValueError  # noqa: E402
 from bngrad.torch import _eager  # noqa: E402
 from conftest import from_torch  # noqa: E402
 from tolerances import assert_close  # noqa: E402
@@ -451,6 +452,90 @@ def test_torch_func_grad_trains_a_functional_model_as_pytorchs():
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=0, atol=0)
+
+
+def test_pytorchs_batch_norm_under_autodiff_keeps_bngrads_checks():
+    """(Found by hostile testing of the above.) Where a call runs on PyTorch's batch norm for
+    forward-mode AD or torch.func, the operands are still checked as bngrad checks them: a
+    side input of another shape or dtype (PyTorch's add broadcast or promoted it), a negative
+    running_var (PyTorch: NaN), a NaN eps."""
+    import torch.autograd.forward_ad as fwAD
+    x, w = _t((4, 3, 2)), torch.ones(3, dtype=torch.float64)
+    zeros, ones = torch.zeros(3, dtype=torch.float64), torch.ones(3, dtype=torch.float64)
+    cases = [
+        (lambda t: bt.batch_norm_add_relu(t, _t((2, 4, 3, 2)), None, None, training=True),
+         ArgumentValueError, r"side_input: expected the shape of input \(4, 3, 2\), got shape "
+                             r"\(2, 4, 3, 2\)"),
+        (lambda t: bt.batch_norm_add_relu(t, _t((3, 1)), None, None, training=True),
+         ArgumentValueError, "side_input: expected the shape of input"),
+        (lambda t: bt.batch_norm_add_relu(t, _t((4, 3, 2), torch.float32), None, None,
+                                          training=True),
+         ArgumentTypeError, r"side_input: expected the dtype of input \(float64\), got dtype "
+                            "float32"),
+        (lambda t: bt.batch_norm(t, zeros, -ones, w), ArgumentValueError,
+         "running_var: expected variances >= 0, got -1 at channel 0"),
+        (lambda t: bt.batch_norm_relu(t, zeros, -ones, w), ArgumentValueError,
+         "running_var: expected variances >= 0"),
+        (lambda t: bt.batch_norm(t, None, None, w, training=True, eps=float("nan")),
+         ArgumentValueError, "eps: expected a finite float >= 0, got nan"),
+    ]
+    for call, error, match in cases:
+        with pytest.raises(error, match=match):
+            call(x)  # eagerly
+        with pytest.raises(error, match=match):
+            torch.func.grad(lambda t, call=call: call(t).sum())(x)
+        with pytest.raises(error, match=match), fwAD.dual_level():
+            call(fwAD.make_dual(x, torch.ones_like(x)))
+
+
+def test_a_tangent_on_the_running_statistics_is_pytorchs_to_handle():
+    """(Found by hostile testing.) A dual running_var with an input that requires grad raised
+    PyTorch's "implement the jvp function" from bngrad's autograd.Function; PyTorch's batch
+    norm runs (its output has no tangent)."""
+    import torch.autograd.forward_ad as fwAD
+    x = _t((4, 3, 2)).requires_grad_()
+    for train in (True, False):
+        with fwAD.dual_level():
+            mean = fwAD.make_dual(_t((3,), seed=4) * 0.1, torch.ones(3, dtype=torch.float64))
+            var = fwAD.make_dual(torch.ones(3, dtype=torch.float64) * 2,
+                                 torch.ones(3, dtype=torch.float64))
+            got = bt.batch_norm_relu(x, mean.clone(), var.clone(), training=train)
+            want = F.relu(F.batch_norm(x, mean.clone(), var.clone(), training=train))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            assert fwAD.unpack_dual(got).tangent is None
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_functionalize_updates_the_running_statistics_as_pytorchs(fused):
+    """(Found by hostile testing.) torch.func.functionalize of a training-mode layer failed
+    with an internal assert (the custom op's in-place copy into the running statistics): it
+    runs on PyTorch's batch norm now, with PyTorch's outputs and running statistics."""
+    ours = (bt.BatchNormReLU2d(3) if fused else bt.BatchNorm2d(3)).double()
+    theirs = nn.BatchNorm2d(3).double()
+    x = _t((4, 3, 2, 2))
+    got = torch.func.functionalize(ours)(x)
+    want = torch.func.functionalize(theirs)(x)
+    torch.testing.assert_close(got, F.relu(want) if fused else want, rtol=0, atol=0)
+    torch.testing.assert_close(ours.running_var, theirs.running_var, rtol=0, atol=0)
+    assert int(ours.num_batches_tracked) == 1
+
+
+def test_eps_and_momentum_are_numbers():
+    """(Found by hostile testing.) A string eps was taken (float('1e-5')), and eps=None's
+    error did not name eps; a one-element tensor momentum, which PyTorch takes, was refused."""
+    x = _t((4, 3, 2))
+    for eps in ("1e-5", None, [1e-5]):
+        with pytest.raises(ArgumentTypeError, match="eps: expected a float >= 0, got"):
+            bt.batch_norm(x, None, None, training=True, eps=eps)
+        with pytest.raises(ArgumentTypeError, match="eps: expected a float >= 0, got"):
+            bt.batch_norm_relu(x, None, None, training=True, eps=eps)
+    ours, theirs = (torch.zeros(3, dtype=torch.float64) for _ in range(2))
+    got = bt.batch_norm(x, ours, torch.ones(3, dtype=torch.float64), training=True,
+                        momentum=torch.tensor(0.25))
+    want = F.batch_norm(x, theirs, torch.ones(3, dtype=torch.float64), training=True,
+                        momentum=torch.tensor(0.25))
+    assert_close(got.numpy(), want.numpy())
+    torch.testing.assert_close(ours, theirs)
 
 
 def test_op_refuses_a_bool_mask():

@@ -209,8 +209,13 @@ def running_var(value: Optional[np.ndarray]) -> None:
         if not negative.size:
             return
         c = negative[0]
-    raise ArgumentValueError(
-        f"running_var: expected variances >= 0, got {float(value[c]):g} at channel {c}. A "
+    raise negative_variance(float(value[c]), int(c))
+
+
+def negative_variance(value: float, channel: int) -> ArgumentValueError:
+    """The error for a running_var whose entry ``channel`` is ``value`` < 0."""
+    return ArgumentValueError(
+        f"running_var: expected variances >= 0, got {value:g} at channel {channel}. A "
         "variance cannot be negative; the usual cause is a bias in its place: bngrad's NumPy "
         "functions take weight (and bias) before running_mean and running_var, as PyTorch's "
         "native_batch_norm, where torch.nn.functional.batch_norm and bngrad.torch.batch_norm "

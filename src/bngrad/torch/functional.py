@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import forward_ad
 
+from .. import _validate
 from . import _eager
 from . import ops  # noqa: F401  (registers torch.ops.bngrad.*)
 from ._convert import is_supported_device
@@ -84,29 +85,27 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     if not isinstance(input, Tensor):
         raise TypeError(f"batch_norm(): argument 'input' must be Tensor, not "
                         f"{type(input).__name__}")
-    if training:
-        _verify_batch_size(input)
-    _verify_eps(eps, training)
-    _verify_running_stats(running_mean, running_var, training)
-    _verify_momentum(momentum)
+    momentum, eps = checked_arguments(input, running_mean, running_var, training, momentum, eps)
     if not is_supported_device(input):
         if input.device.type != "meta":  # meta tensors carry no data: nothing to warn about
             _fallback_warning(input.device)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
-    if (input.dim() == 1 and input.numel() == 0) or needs_pytorch_autodiff(input, weight, bias):
-        # Nothing to normalise, and no channel axis to check against (PyTorch returns an empty
-        # result, still connected to weight and bias); or a derivative only PyTorch's own
-        # operations give: PyTorch's batch norm.
+    if input.dim() == 1 and input.numel() == 0:
+        # Nothing to normalise, and no channel axis to check against: PyTorch returns an empty
+        # result (still connected to weight and bias), so let PyTorch give it.
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
+                            eps)
+    if needs_pytorch_autodiff(input, weight, bias, running_mean, running_var):
+        refuse_negative_variance(running_var)  # (bngrad's check, which PyTorch does not make)
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum,
                             eps)
     if _eager.applies(input):  # eager mode: straight to the NumPy API (see bngrad.torch._eager)
         return _eager.batch_norm(input, running_mean, running_var, weight, bias, bool(training),
-                                 float(momentum), float(eps))
+                                 momentum, eps)
     # traced (torch.compile, torch.export, jit.trace, functorch): the custom op
     output, _, _, new_mean, new_var = torch.ops.bngrad.batch_norm_forward(
-        input, weight, bias, running_mean, running_var, bool(training), float(momentum),
-        float(eps))
+        input, weight, bias, running_mean, running_var, bool(training), momentum, eps)
     if training:  # the running statistics are state, not part of the autograd graph
         if running_mean is not None:
             running_mean.copy_(new_mean)
@@ -119,10 +118,11 @@ def needs_pytorch_autodiff(*tensors: Optional[Tensor]) -> bool:
     """Whether a call must run on PyTorch's own operations, which forward-mode AD and
     torch.func's differentiating transforms can differentiate: an input carries a forward-mode
     tangent (``torch.autograd.forward_ad``), or the call runs under ``torch.func.grad``,
-    ``vjp``, ``jacrev``, ``jacfwd``, ``jvp``, ``hessian`` (alone or inside ``vmap``). bngrad
-    has no forward derivative, and PyTorch's custom operators would drop a tangent without a
-    word and cannot run under those transforms. ``vmap`` alone and functionalization run
-    bngrad's layers as they are."""
+    ``vjp``, ``jacrev``, ``jacfwd``, ``jvp``, ``hessian`` (alone or inside ``vmap``) or
+    ``functionalize``. bngrad has no forward derivative, PyTorch's custom operators would
+    drop a tangent without a word (or fail on one given to the running statistics), cannot be
+    differentiated under those transforms, and their in-place update of the running statistics
+    cannot be functionalized. ``vmap`` alone runs bngrad's layers as they are."""
     return _has_tangent(tensors) or _under_differentiating_transform()
 
 
@@ -134,7 +134,7 @@ def _has_tangent(tensors: tuple[Optional[Tensor], ...]) -> bool:
 
 _functorch = getattr(torch._C, "_functorch", None)
 _DIFFERENTIATING = tuple(getattr(getattr(_functorch, "TransformType", None), name)
-                         for name in ("Grad", "Jvp")
+                         for name in ("Grad", "Jvp", "Functionalize")
                          if hasattr(getattr(_functorch, "TransformType", None), name))
 
 
@@ -143,6 +143,40 @@ def _under_differentiating_transform() -> bool:
         return False
     stack = _functorch.get_interpreter_stack() or ()
     return any(level.key() in _DIFFERENTIATING for level in stack)
+
+
+def checked_arguments(input: Tensor, running_mean: Optional[Tensor],
+                      running_var: Optional[Tensor], training: bool, momentum: object,
+                      eps: object) -> tuple[float, float]:
+    """PyTorch's checks of batch norm's arguments, with its messages, then bngrad's of
+    momentum and eps (numbers, finite; a one-element tensor momentum is taken as PyTorch
+    takes it): (momentum, eps) as floats."""
+    if training:
+        _verify_batch_size(input)
+    if isinstance(momentum, Tensor) and momentum.numel() == 1:
+        momentum = momentum.item()
+    _verify_eps(eps, training)
+    _verify_running_stats(running_mean, running_var, training)
+    _verify_momentum(momentum)
+    return _validate.momentum(momentum), _validate.eps(eps)
+
+
+def refuse_negative_variance(running_var: Optional[Tensor]) -> None:
+    """bngrad's check that a running_var has no negative entry (bngrad._validate.running_var),
+    for a call that runs on PyTorch's batch norm: of the values under torch.func's wrappers
+    (under vmap, every sample's) and a tangent's primal; not while compiling (a value check
+    would break the graph)."""
+    if running_var is None or torch.compiler.is_compiling():
+        return
+    values = running_var
+    while _functorch is not None and _functorch.is_functorch_wrapped_tensor(values):
+        values = _functorch.get_unwrapped(values)
+    values = forward_ad.unpack_dual(values).primal.detach().flatten()
+    negative = torch.nonzero(values < 0)
+    if negative.numel():
+        k = int(negative[0, 0])
+        channels = running_var.shape[-1] if running_var.dim() else 1
+        raise _validate.negative_variance(float(values[k]), k % channels)
 
 
 def _verify_batch_size(input: Tensor) -> None:
@@ -180,7 +214,7 @@ def _verify_running_stats(running_mean: Optional[Tensor], running_var: Optional[
                                    "requires_grad True.")
 
 
-def _verify_momentum(momentum: float) -> None:
+def _verify_momentum(momentum: object) -> None:
     # As PyTorch: a number (momentum=None, the modules' cumulative average, is theirs to turn
     # into a factor); values that are numbers but unusable are refused by bngrad's own check.
     if type(momentum) is not float and not isinstance(momentum, numbers.Real):
@@ -188,7 +222,7 @@ def _verify_momentum(momentum: float) -> None:
                         f"{type(momentum).__name__}")
 
 
-def _verify_eps(eps: float, training: bool) -> None:
+def _verify_eps(eps: object, training: bool) -> None:
     # Same checks and messages as torch.nn.functional.batch_norm (eps = 0 in training divides
     # a constant channel by zero). Values that are not numbers, NaN and inf are refused by
     # bngrad's own check, which names them.

@@ -363,36 +363,51 @@ def _fused(input, side_input, running_mean, running_var, weight, bias, training,
     if side_input is not None and not isinstance(side_input, Tensor):
         raise TypeError(f"argument 'side_input' must be Tensor, not "
                         f"{type(side_input).__name__}")
-    if training:
-        functional._verify_batch_size(input)
-    functional._verify_eps(eps, training)
-    functional._verify_running_stats(running_mean, running_var, training)
-    functional._verify_momentum(momentum)
+    momentum, eps = functional.checked_arguments(input, running_mean, running_var, training,
+                                                 momentum, eps)
     # PyTorch's own sequence on other devices, and where forward-mode AD or torch.func must
-    # differentiate it (functional.needs_pytorch_autodiff)
+    # differentiate it (functional.needs_pytorch_autodiff), after the checks of the operands
+    # that bngrad's kernels would make
     supported = is_supported_device(input)
-    if not supported or functional.needs_pytorch_autodiff(input, weight, bias, side_input):
+    if not supported or functional.needs_pytorch_autodiff(input, weight, bias, side_input,
+                                                          running_mean, running_var):
         if not supported and input.device.type != "meta":
             functional._fallback_warning(input.device)
+        if side_input is not None:
+            _check_side_input(input, side_input)
+        if supported:
+            functional.refuse_negative_variance(running_var)
         y = F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
         y = y if side_input is None else y + side_input
         return F.relu(y) if activation == "relu" else y
     if _eager.applies(input) and (side_input is None or _eager.applies(side_input)):
         args = (input, weight, bias, side_input, running_mean, running_var, bool(training),
-                float(momentum), float(eps), activation)
+                momentum, eps, activation)
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                            for t in (input, weight, bias, side_input)):
             return _BatchNormReLU.apply(*args)
         return _forward(*args)[0]
     output, _, _, new_mean, new_var, _ = torch.ops.bngrad.batch_norm_relu_forward(
         input, weight, bias, running_mean, running_var, side_input, bool(training),
-        float(momentum), float(eps), activation)
+        momentum, eps, activation)
     if training:
         if running_mean is not None:
             running_mean.copy_(new_mean)
         if running_var is not None:
             running_var.copy_(new_var)
     return output
+
+
+def _check_side_input(input: Tensor, side_input: Tensor) -> None:
+    """side_input's shape and dtype are input's (as bngrad.fused checks them), where PyTorch's
+    sequence would broadcast or promote it."""
+    if side_input.shape != input.shape:
+        raise ArgumentValueError(f"side_input: expected the shape of input "
+                                 f"{tuple(input.shape)}, got shape {tuple(side_input.shape)}")
+    if side_input.dtype != input.dtype:
+        raise ArgumentTypeError(f"side_input: expected the dtype of input "
+                                f"({str(input.dtype).removeprefix('torch.')}), got dtype "
+                                f"{str(side_input.dtype).removeprefix('torch.')}")
 
 
 def batch_norm_relu(input: Tensor, running_mean: Optional[Tensor],
