@@ -529,6 +529,63 @@ def test_call_nested_in_a_compile_is_refused_clearly():
     bngrad.batch_norm_forward(x)
 
 
+def test_call_nested_in_a_load_is_refused_before_any_compiled_function(monkeypatch):
+    """(Found by hostile testing.) The check came after the argument checks, whose scan of
+    running_var is a compiled function: a signal handler's call during the first call's
+    loading loaded it on the interrupted thread (an ImportError of a partially initialised
+    Numba module, an LLVM assertion, a double free, a hang). Now NestedCallError before it;
+    and also while Numba starts its threading layer on this thread (a re-entrant lock, under
+    which a nested call started the layer a second time)."""
+    from numba.core.compiler_lock import global_compiler_lock
+    from numba.np.ufunc import parallel as numba_parallel
+    from bngrad import _validate
+
+    def not_now(values):
+        raise AssertionError("a compiled function was called")
+    monkeypatch.setattr(_validate, "first_negative", not_now)
+    x = np.random.default_rng(0).standard_normal((4, 3, 5)).astype(np.float32)
+    stats = np.zeros(3, np.float32), np.ones(3, np.float32)
+    for lock in (global_compiler_lock, numba_parallel._backend_init_thread_lock):
+        with lock:
+            for train in (True, False):
+                with pytest.raises(bngrad.NestedCallError, match="compiling or loading a kernel"):
+                    bngrad.batch_norm_forward(x, None, None, *stats, train=train)
+                with pytest.raises(bngrad.NestedCallError, match="compiling or loading a kernel"):
+                    bngrad.batch_norm_backward(x, x, None, *stats, train=False)
+
+
+_SIGNALS_DURING_THE_FIRST_CALL_SCRIPT = r"""
+import signal, numpy as np, bngrad
+x = np.random.default_rng(0).standard_normal((16, 32, 30, 30)).astype(np.float32)
+w, b = np.ones(32, np.float32), np.zeros(32, np.float32)
+outcomes = set()
+def handler(sig, frame):
+    try:
+        bngrad.batch_norm_forward(x[:2, :, :4, :4], w, b, np.zeros(32, np.float32),
+                                  np.ones(32, np.float32))
+        outcomes.add("ran")
+    except bngrad.NestedCallError:
+        outcomes.add("refused")
+signal.signal(signal.SIGALRM, handler)
+signal.setitimer(signal.ITIMER_REAL, 0.0005, 0.0007)
+first = bngrad.batch_norm_forward(x, w, b, np.zeros(32, np.float32), np.ones(32, np.float32))
+signal.setitimer(signal.ITIMER_REAL, 0)
+again = bngrad.batch_norm_forward(x, w, b, np.zeros(32, np.float32), np.ones(32, np.float32))
+assert np.array_equal(first[0], again[0])
+print(sorted(outcomes), "ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+def test_signal_handlers_calling_during_a_process_first_call():
+    """(Found by hostile testing.) A handler calling bngrad every 0.7 ms during a fresh
+    process's first call (kernels loading, Numba starting its threads): each nested call runs
+    or is refused with NestedCallError; the first call completes with the right result (before
+    the fix: double frees, hangs, partially initialised modules, in 4 runs of 4)."""
+    code, output = _run_script(_SIGNALS_DURING_THE_FIRST_CALL_SCRIPT, {})
+    assert code == 0 and output.strip().endswith("ok"), output[-2000:]
+
+
 def test_importing_bngrad_imports_what_a_call_would_import_lazily():
     """numpy.ma (NumPy imports it lazily, on first use of np.ma) is imported with bngrad: its
     first import inside a call nested in a signal handler re-entered the import system of the

@@ -31,6 +31,9 @@ from .errors import NestedCallError
 # Numba's global compiler lock (a re-entrant lock; None in a Numba without the attribute, where
 # the fork and the nested-call check below go as they would without it)
 _COMPILER_LOCK: Optional[Any] = getattr(_compiler_lock.global_compiler_lock, "_lock", None)
+# The lock Numba holds while it starts its threading layer (a re-entrant lock: a call nested
+# on the thread that holds it would start the layer a second time; None if absent)
+_POOL_START_LOCK: Optional[Any] = getattr(_numba_parallel, "_backend_init_thread_lock", None)
 
 _TBB_NAMES = ("libtbb.so.12", "libtbb.12.dylib", "tbb12.dll")
 
@@ -275,14 +278,23 @@ def resolve_num_threads(num_threads: Optional[int]) -> int:
     middle of a kernel's compiling or loading on its own thread (a signal handler's) is refused
     with NestedCallError: Numba's compiler lock is re-entrant, and a second compile on the
     same thread corrupts its state (aborts, broken imports, every later call failing)."""
-    if _compiler_lock_is_mine():
-        raise NestedCallError(
-            "bngrad was called while this thread's interrupted bngrad call (e.g. by a signal "
-            "handler) is compiling or loading a kernel, which cannot be done twice at once; "
-            "run the first call before installing the handler, or `bngrad precompile`")
+    refuse_nested_call()
     if num_threads is None:
         return current_num_threads()
     return min(num_threads, numba.config.NUMBA_NUM_THREADS)
+
+
+def refuse_nested_call() -> None:
+    """NestedCallError where this thread is compiling or loading a kernel (see
+    :func:`resolve_num_threads`): asked before any compiled function a call runs, argument
+    checks' included (bngrad._validate.running_var's scan)."""
+    if _compiler_lock_is_mine() or (_POOL_START_LOCK is not None
+                                    and _POOL_START_LOCK._is_owned()):
+        raise NestedCallError(
+            "bngrad was called while this thread's interrupted bngrad call (e.g. by a signal "
+            "handler) is compiling or loading a kernel, or starting Numba's threads, which "
+            "cannot be done twice at once; run the first call before installing the handler, "
+            "or `bngrad precompile`")
 
 
 def _compiler_lock_is_mine() -> bool:

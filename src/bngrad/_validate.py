@@ -17,6 +17,7 @@ import numpy.ma  # noqa: F401  (np.ma is imported lazily: not in a call a signal
 
 from . import _dtypes
 from ._dtypes import is_half
+from ._threads import refuse_nested_call
 from .errors import ArgumentTypeError, ArgumentValueError
 from .kernels.batchnorm import first_negative
 
@@ -200,6 +201,7 @@ def running_var(value: Optional[np.ndarray]) -> None:
     if value is None:
         return
     if value.dtype in _SCANNED:
+        refuse_nested_call()  # (before the first compiled function a call runs)
         c = first_negative(value)
         if c < 0:
             return
