@@ -586,6 +586,73 @@ def test_signal_handlers_calling_during_a_process_first_call():
     assert code == 0 and output.strip().endswith("ok"), output[-2000:]
 
 
+_INTERRUPTS_DURING_FIRST_CALLS_SCRIPT = r"""
+import os, signal, threading, time
+import numpy as np, bngrad
+rng = np.random.default_rng(0)
+x, g = (rng.standard_normal((16, 64, 40, 40)).astype(np.float32) for _ in range(2))
+w, b = np.ones(64, np.float32), np.zeros(64, np.float32)
+
+def run(threads, fused):
+    if fused:
+        y, mean, invstd, mask = bngrad.batch_norm_relu_forward(x, w, b, num_threads=threads)
+        return bngrad.batch_norm_relu_backward(g, x, w, None, None, mean, invstd,
+                                               relu_mask=mask, num_threads=threads)[0]
+    y, mean, invstd = bngrad.batch_norm_forward(x, w, b, num_threads=threads)
+    return bngrad.batch_norm_backward(g, x, w, None, None, mean, invstd,
+                                      num_threads=threads)[0]
+
+# The handlers raise only while `armed`, i.e. inside the loop's try (a signal between two
+# tries would end the script, not test bngrad)
+armed = done = False
+def interrupt(signum, frame):
+    if armed:
+        signal.default_int_handler(signum, frame)  # Ctrl-C: KeyboardInterrupt
+def alarm(signum, frame):
+    if armed:
+        raise TimeoutError  # as a timeout decorator's handler does
+def interrupter():
+    while not done:
+        time.sleep(0.003)
+        os.kill(os.getpid(), signal.SIGINT)
+if os.environ["SIGNAL"] == "SIGINT":
+    signal.signal(signal.SIGINT, interrupt)
+    threading.Thread(target=interrupter, daemon=True).start()
+else:
+    signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, 0.003, 0.003)
+interrupts, start = 0, time.time()
+while time.time() - start < 8:
+    try:
+        armed = True
+        run(interrupts % 3 + 1, bool(interrupts % 2))
+        armed = False
+    except (KeyboardInterrupt, TimeoutError):
+        armed = False
+        interrupts += 1
+done = True
+signal.setitimer(signal.ITIMER_REAL, 0)
+for fused in (False, True):
+    results = [run(threads, fused) for threads in (1, 2, 3)]
+    assert all(np.array_equal(r, results[0]) for r in results), fused
+print(interrupts, "interrupts ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer")
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGALRM"])
+def test_interrupts_during_first_calls_leave_bngrad_working(signame):
+    """(Found by hostile testing.) SIGINT every 3 ms (Ctrl-C), or an alarm whose handler
+    raises, while a fresh process makes its first calls (kernels compiling or loading) aborted
+    it ("double free detected": llvmlite objects freed twice after an exception raised in
+    Numba's bookkeeping), or left Numba's registries half loaded (every later call failing):
+    signals now wait while Numba holds its compiler lock on the main thread; afterwards every
+    call works, bitwise the same on 1-3 threads."""
+    code, output = _run_script(_INTERRUPTS_DURING_FIRST_CALLS_SCRIPT,
+                               {"NUMBA_NUM_THREADS": "3", "SIGNAL": signame})
+    assert code == 0 and output.strip().endswith("interrupts ok"), output[-2000:]
+
+
 def test_importing_bngrad_imports_what_a_call_would_import_lazily():
     """numpy.ma (NumPy imports it lazily, on first use of np.ma) is imported with bngrad: its
     first import inside a call nested in a signal handler re-entered the import system of the

@@ -17,12 +17,14 @@ from __future__ import annotations
 import ctypes
 import os
 import site
+import signal
 import sys
 import threading
 import time
 from typing import Any, Optional
 
 import numba
+from numba.core import event as _numba_event
 from numba.core import compiler_lock as _compiler_lock
 from numba.np.ufunc import parallel as _numba_parallel
 
@@ -221,6 +223,79 @@ if hasattr(os, "register_at_fork"):
                         after_in_child=_fork_gate.after_fork_in_child)
 
 
+class _DeferSignals(_numba_event.Listener):
+    """Signals with a Python handler (Ctrl-C's KeyboardInterrupt, an alarm, ...) wait while
+    Numba holds its compiler lock on the main thread (compiling or loading a kernel, a
+    process's first calls), then go to their handlers, in order. An exception raised by a
+    handler in the middle of Numba's and llvmlite's bookkeeping left objects freed twice (the
+    process aborted: "double free detected") or Numba's modules half registered (every later
+    call failed: "duplicate registration"); kernels running already hold signals until they
+    return, so this only delays them by the rest of the compile. Python runs handlers on the
+    main thread only; ignored and default dispositions are left alone."""
+
+    def __init__(self) -> None:
+        self._depth = 0  # compiler-lock acquisitions on the main thread (it is re-entrant)
+        self._handlers: dict[int, Any] = {}  # the handlers replaced, by signal
+        self._pending: list[int] = []
+
+    def on_start(self, event: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if self._depth == 0:
+            self._pending = []
+            try:  # (a signal arriving now goes to its own handler, which may raise)
+                for signum in _HANDLED_SIGNALS:
+                    handler = signal.getsignal(signum)
+                    if callable(handler) and handler != self._record:
+                        self._handlers[signum] = handler
+                        signal.signal(signum, self._record)
+            except BaseException:
+                self._restore()
+                raise
+        self._depth += 1
+
+    def on_end(self, event: Any) -> None:
+        if threading.current_thread() is not threading.main_thread() or self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            handlers = self._restore()
+            pending, self._pending = self._pending, []
+            for signum in pending:  # (Python's default SIGINT handler raises KeyboardInterrupt)
+                handlers[signum](signum, None)
+
+    def _restore(self) -> dict[int, Any]:
+        """Put the replaced handlers back (all of them, even if one that is back already
+        raises meanwhile); returns them."""
+        handlers, self._handlers = self._handlers, {}
+        remaining = list(handlers.items())
+        try:
+            while remaining:
+                signal.signal(*remaining[-1])
+                remaining.pop()
+        finally:
+            for signum, handler in remaining:
+                signal.signal(signum, handler)
+        return handlers
+
+    def _record(self, signum: int, frame: Any) -> None:
+        self._pending.append(signum)
+
+    # Also a context manager, for the start of Numba's threading layer (its own lock, and a
+    # handler's exception there is taken for an OS error: a warning and no process lock)
+    def __enter__(self) -> None:
+        self.on_start(None)
+
+    def __exit__(self, *exc: object) -> None:
+        self.on_end(None)
+
+
+_HANDLED_SIGNALS = tuple(s for s in signal.valid_signals()
+                         if s not in (signal.SIGKILL, signal.SIGSTOP))
+_deferred_signals = _DeferSignals()
+_numba_event.register("numba:compiler_lock", _deferred_signals)
+
+
 class parallel_region:
     """Run the enclosed kernels on ``num_threads`` threads (None: all), safely.
 
@@ -246,7 +321,7 @@ class parallel_region:
                 self._lock.acquire()
             if self._wanted is not None:
                 wanted = min(self._wanted, numba.config.NUMBA_NUM_THREADS)
-                previous = numba.get_num_threads()
+                previous = _numba_threads()
                 if wanted != previous:
                     numba.set_num_threads(wanted)
                     self._previous = previous
@@ -311,7 +386,16 @@ def current_num_threads() -> int:
         count = _numba_parallel._get_num_threads()  # type: ignore[attr-defined]
         if count > 0:
             return count
-    return numba.get_num_threads()
+    return _numba_threads()
+
+
+def _numba_threads() -> int:
+    """numba.get_num_threads(); its first call starts Numba's threading layer, with signals
+    deferred (_DeferSignals)."""
+    if getattr(_numba_parallel, "_is_initialized", False):
+        return numba.get_num_threads()
+    with _deferred_signals:
+        return numba.get_num_threads()
 
 
 def threading_layer() -> str:
