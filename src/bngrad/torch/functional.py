@@ -103,7 +103,7 @@ def batch_norm(input: Tensor, running_mean: Optional[Tensor], running_var: Optio
     if _eager.applies(input):  # eager mode: straight to the NumPy API (see bngrad.torch._eager)
         return _eager.batch_norm(input, running_mean, running_var, weight, bias, bool(training),
                                  momentum, eps)
-    # traced (torch.compile, torch.export, jit.trace, functorch): the custom op
+    # traced (torch.compile, torch.export, jit.trace, functorch.vmap): the custom op
     output, _, _, new_mean, new_var = torch.ops.bngrad.batch_norm_forward(
         input, weight, bias, running_mean, running_var, bool(training), momentum, eps)
     if training:  # the running statistics are state, not part of the autograd graph
@@ -123,7 +123,7 @@ def needs_pytorch_autodiff(*tensors: Optional[Tensor]) -> bool:
     drop a tangent without a word (or fail on one given to the running statistics), cannot be
     differentiated under those transforms, and their in-place update of the running statistics
     cannot be functionalized. ``vmap`` alone runs bngrad's layers as they are."""
-    return _has_tangent(tensors) or _under_differentiating_transform()
+    return _has_tangent(tensors) or _under_a_pytorch_only_transform()
 
 
 def _has_tangent(tensors: tuple[Optional[Tensor], ...]) -> bool:
@@ -133,16 +133,16 @@ def _has_tangent(tensors: tuple[Optional[Tensor], ...]) -> bool:
 
 
 _functorch = getattr(torch._C, "_functorch", None)
-_DIFFERENTIATING = tuple(getattr(getattr(_functorch, "TransformType", None), name)
+_PYTORCH_ONLY_TRANSFORMS = tuple(getattr(getattr(_functorch, "TransformType", None), name)
                          for name in ("Grad", "Jvp", "Functionalize")
                          if hasattr(getattr(_functorch, "TransformType", None), name))
 
 
-def _under_differentiating_transform() -> bool:
+def _under_a_pytorch_only_transform() -> bool:
     if _functorch is None or not _eager._functorch_active():
         return False
     stack = _functorch.get_interpreter_stack() or ()
-    return any(level.key() in _DIFFERENTIATING for level in stack)
+    return any(level.key() in _PYTORCH_ONLY_TRANSFORMS for level in stack)
 
 
 def checked_arguments(input: Tensor, running_mean: Optional[Tensor],
