@@ -323,7 +323,7 @@ class parallel_region:
                 self._lock.acquire()
             if self._wanted is not None:
                 wanted = min(self._wanted, numba.config.NUMBA_NUM_THREADS)
-                previous = _numba_threads()
+                previous = current_num_threads()
                 if wanted != previous:
                     numba.set_num_threads(wanted)
                     self._previous = previous
@@ -388,15 +388,7 @@ def current_num_threads() -> int:
         count = _numba_parallel._get_num_threads()  # type: ignore[attr-defined]
         if count > 0:
             return count
-    return _numba_threads()
-
-
-def _numba_threads() -> int:
-    """numba.get_num_threads(); its first call starts Numba's threading layer, with signals
-    deferred (_DeferSignals)."""
-    if getattr(_numba_parallel, "_is_initialized", False):
-        return numba.get_num_threads()
-    with _deferred_signals:
+    with _deferred_signals:  # (which starts Numba's threading layer: _DeferSignals)
         return numba.get_num_threads()
 
 

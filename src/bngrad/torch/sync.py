@@ -271,7 +271,7 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
         if self.training and dist.is_available() and dist.is_initialized():
             group = self.process_group or dist.group.WORLD
             world = dist.get_world_size(group)
-        layer = f"{type(self).__name__}({self.num_features})" if world > 1 else ""
+        layer = f"{type(self).__name__}({self.num_features})"
         if world > 1 and needs_pytorch_autodiff(input, self.weight, self.bias):
             # (before the batch is counted and before any collective)
             raise NotImplementedError(
