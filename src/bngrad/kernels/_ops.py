@@ -8,8 +8,9 @@ site, and typing was most of the compile time (docs/internals.md). An operand th
 selects a formula when the kernel is compiled, never at run time:
 
 - ``accumulate``: ``dy'`` and ``dy'*(x - mean)``, ``dy' = dy - shift``, in float64 (the
-  backward's sums of half data, without a shift: float32, summed in blocks of
-  ``block_terms`` before the float64 total; the moments' ``d`` and ``d*d`` where dy is None);
+  backward's sums of half data, without a shift: float32, about the float32 nearest the mean,
+  summed in float32 blocks before the float64 total, which ``uncentre`` moves to the mean;
+  the moments' ``d`` and ``d*d`` where dy is None);
 - ``elementwise``: x and dy: training grad_input ``(dy - GRAD_MEAN - (x - MEAN)*PROJ)*SCALE``;
   dy only: eval grad_input ``dy*SCALE``; x only: the forward ``(x - MEAN)*SCALE + BIAS``, plus
   the side input ``z`` where one is given (bngrad.fused), added to the batch-norm value rounded
@@ -127,7 +128,8 @@ def _grad(dy, y):
 def accumulate(dy: Any, x: Any, y: Any, mean: Any, shift: Any) -> Any:
     """(dy', dy'*(x - mean)), dy' = dy - shift (None: 0): one element's terms of the sums
     (jitted), in float64; for half data without a shift (the backward's sums) in float32, to
-    be summed in short float32 blocks (``block_terms``). ``dy`` None: the moments' terms, dy
+    be summed in short float32 blocks (``block_terms``), the second about the float32 nearest
+    the mean (``_narrow_terms``, ``uncentre``). ``dy`` None: the moments' terms, dy
     being x and mean the shift, (d, d*d) with d = x - shift: the same values, from one load
     and one subtraction instead of two."""
     raise NotImplementedError
@@ -142,12 +144,8 @@ def _accumulate(dy, x, y, mean, shift):
         return moments
     if narrow_terms(x, shift):
         if isinstance(mean, types.UniTuple):  # already split (split_mean)
-            return lambda dy, x, y, mean, shift: _narrow_terms(dy, x, y, mean[0], mean[1])
-
-        def narrow(dy, x, y, mean, shift):
-            head = np.float32(mean)
-            return _narrow_terms(dy, x, y, head, np.float32(mean - np.float64(head)))
-        return narrow
+            return lambda dy, x, y, mean, shift: _narrow_terms(dy, x, y, mean[0])
+        return lambda dy, x, y, mean, shift: _narrow_terms(dy, x, y, np.float32(mean))
     if isinstance(shift, types.NoneType):
         def wide(dy, x, y, mean, shift):
             d = np.float64(grad(dy, y))
@@ -161,14 +159,35 @@ def _accumulate(dy, x, y, mean, shift):
 
 
 @njit(inline="always")
-def _narrow_terms(dy, x, y, head, tail):
-    """accumulate's float32 terms of half data, the mean given as float32 ``head + tail``.
-    Half data are exact in float32, and so is their difference from a float32 number near
-    them; the tail is taken off by an fma (one rounding, and no fastmath flags, so that the
-    reassociating loops cannot fold it into the head): each term is float64's rounded once
-    to float32."""
+def _narrow_terms(dy, x, y, head):
+    """accumulate's float32 terms of half data, centred on ``head``, the float32 nearest the
+    mean: d and d*(x - head). Half data are exact in float32, and so is their difference from
+    a float32 number near them, so each term is rounded once. The mean's float32 tail is
+    taken off the sums afterwards (``uncentre``), once per lane or run instead of an fma per
+    element: sum d*(x - mean) = sum d*(x - head) - tail*sum d."""
     d = grad(dy, y)
-    return d, d * _fma(_MINUS_ONE, tail, to_float(x) - head)
+    return d, d * (to_float(x) - head)
+
+
+def uncentre(sum_d: Any, sum_dx: Any, mean: Any, x: Any, shift: Any) -> Any:
+    """``sum_dx`` (accumulate's second sum over data ``x``, float64), made the sum about
+    ``mean`` (a float64 scalar, or a split_mean's (head, tail) lane) where the terms were
+    narrow, by subtracting the tail times ``sum_d``; else itself (jitted)."""
+    raise NotImplementedError
+
+
+@overload(uncentre)
+def _uncentre(sum_d, sum_dx, mean, x, shift):
+    if not narrow_terms(x.dtype if isinstance(x, types.Array) else x, shift):
+        return lambda sum_d, sum_dx, mean, x, shift: sum_dx
+    # Where sum_d is infinite or NaN, so is sum_dx, with the signs of PyTorch's sum about
+    # the mean; the correction would make inf - inf or 0*inf, NaN: it is left off.
+    if isinstance(mean, types.UniTuple):
+        return lambda sum_d, sum_dx, mean, x, shift: _select(
+            np.isfinite(sum_d), sum_dx - np.float64(mean[1]) * sum_d, sum_dx)
+    return lambda sum_d, sum_dx, mean, x, shift: _select(
+        np.isfinite(sum_d),
+        sum_dx - np.float64(np.float32(mean - np.float64(np.float32(mean)))) * sum_d, sum_dx)
 
 
 @njit(inline="always")
@@ -200,9 +219,6 @@ def narrow_terms(x: Any, shift: Any) -> bool:
     their variance is a difference of two large sums, which float32 terms would leave ~1e-3
     off where that element lies 1000 standard deviations out (tests/test_numerics.py)."""
     return x in (types.int16, types.uint16) and isinstance(shift, types.NoneType)
-
-
-_MINUS_ONE = np.float32(-1.0)
 
 
 def block_terms(x: Any, shift: Any) -> Any:

@@ -10,9 +10,9 @@ Determinism: reduction tiles have row bounds that depend on the shape only (a la
 reduction's column groups may follow the thread count: a lane sums over rows alone), each is
 summed in a fixed order, and the tile sums are added in a fixed order; the fused and two-phase
 paths share ``_tile_sums`` and ``_channel_sums``, so they give the same bits. Sums are float64 (the
-backward's sums of half data, which have no shift: float32 blocks of at most 256 terms first,
-kernels._ops.block_terms); elementwise arithmetic runs in ``coef``'s dtype (float64 for
-float64 data, float32 otherwise).
+backward's sums of half data, which have no shift: float32 blocks first, of 256 terms along a
+run (kernels._ops.block_terms) or 64 rows of a lane (_LANE_BLOCK_ROWS)); elementwise
+arithmetic runs in ``coef``'s dtype (float64 for float64 data, float32 otherwise).
 
 Operands of the fused variants (bngrad.fused; None compiles them away, kernels._ops): ``y``,
 the backward's ReLU record (the forward output, or mask bytes as uint8), read beside dy by
@@ -40,7 +40,7 @@ from ._cache import install as _install_cache_locator
 from ._cache import lock_cache_files
 from ._elements import to_float
 from ._ops import (BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, block_terms, elementwise,
-                   finish, lane, narrow_terms, split_mean, take)
+                   finish, lane, narrow_terms, split_mean, take, uncentre)
 
 _install_cache_locator()  # before the first cached kernel is defined (kernels._cache)
 _JIT: dict[str, Any] = dict(cache=True, nogil=True)
@@ -67,7 +67,7 @@ def _run_sums(xr, dr, yr, m, shift):
             bx += q
         sum_dy += bd
         sum_dy_xmu += bx
-    return sum_dy, sum_dy_xmu
+    return sum_dy, uncentre(sum_dy, sum_dy_xmu, m, xr, shift)
 
 
 @njit(inline="always", **_JIT)
@@ -86,15 +86,19 @@ def _accumulate_4_rows(x0, x1, x2, x3, d0, d1, d2, d3, y0, y1, y2, y3, mean, shi
         p1, q1 = accumulate(take(d1, c), x1[c], take(y1, c), m, s)
         p2, q2 = accumulate(take(d2, c), x2[c], take(y2, c), m, s)
         p3, q3 = accumulate(take(d3, c), x3[c], take(y3, c), m, s)
-        psd[c] += (p0 + p1) + (p2 + p3)  # half data: a block of four float32 terms
+        psd[c] += (p0 + p1) + (p2 + p3)
         psx[c] += (q0 + q1) + (q2 + q3)
 
 
 @njit(**_JIT)
 def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
-    """Add rows r0..r1-1 of lanes c0..c1-1 into psd, psx (per lane, rows in order)."""
+    """Rows r0..r1-1 of lanes c0..c1-1 summed into psd, psx (zeros; per lane, rows in order;
+    the second sum about ``mean``: kernels._ops.uncentre). Narrow terms (half data) are summed
+    in float32 blocks of ``_LANE_BLOCK_ROWS`` rows (from r0) first: float64 partial sums, read
+    and written every four rows, were as many bytes as the half data they summed."""
     L, w = x.shape[1], c1 - c0
     ys = _with_scratch(y, 4 * w)
+    bsd, bsx = _block_partials(psd, psx, x, shift)
     r = r0
     while r + 4 <= r1:  # four rows per pass over the partial sums: a quarter of the stores
         _accumulate_4_rows(x[r, c0:c1], x[r + 1, c0:c1], x[r + 2, c0:c1], x[r + 3, c0:c1],
@@ -104,13 +108,73 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
                            _relu_record(ys, (r + 1, slice(c0, c1)), (r + 1) * L + c0, w, w),
                            _relu_record(ys, (r + 2, slice(c0, c1)), (r + 2) * L + c0, w, 2 * w),
                            _relu_record(ys, (r + 3, slice(c0, c1)), (r + 3) * L + c0, w, 3 * w),
-                           mean, shift, psd, psx)
+                           mean, shift, bsd, bsx)
         r += 4
+        if (r - r0) % _LANE_BLOCK_ROWS == 0:
+            _add_block(bsd, bsx, psd, psx)
     while r < r1:
         _accumulate_row(x[r, c0:c1], take(dy, (r, slice(c0, c1))),
                         _relu_record(ys, (r, slice(c0, c1)), r * L + c0, w, 0), mean, shift,
-                        psd, psx)
+                        bsd, bsx)
         r += 1
+    _add_block(bsd, bsx, psd, psx)
+    _uncentre_lanes(psd, psx, mean, x, shift)
+
+
+# Rows of a lane's float32 block (narrow terms): 16 sums of four, whose error stays within
+# ~16 float32 roundings of the block's magnitude, far below the half data's own rounding.
+_LANE_BLOCK_ROWS = 64
+
+
+def _block_partials(psd: Any, psx: Any, x: Any, shift: Any) -> Any:
+    """Where _accumulate_rows sums its rows first (jitted): for narrow terms, float32 zeros
+    like psd and psx, else psd and psx themselves."""
+    raise NotImplementedError
+
+
+@overload(_block_partials, inline="always")
+def _block_partials_impl(psd, psx, x, shift):
+    if narrow_terms(x.dtype, shift):
+        return lambda psd, psx, x, shift: (np.zeros(psd.shape[0], np.float32),
+                                           np.zeros(psx.shape[0], np.float32))
+    return lambda psd, psx, x, shift: (psd, psx)
+
+
+def _add_block(bsd: Any, bsx: Any, psd: Any, psx: Any) -> None:
+    """A float32 block's sums (_block_partials) added into psd and psx, and zeroed; nothing
+    where they are psd and psx (jitted)."""
+    raise NotImplementedError
+
+
+@overload(_add_block, inline="always")
+def _add_block_impl(bsd, bsx, psd, psx):
+    if bsd.dtype == psd.dtype:
+        return lambda bsd, bsx, psd, psx: None
+
+    def add(bsd, bsx, psd, psx):
+        for c in range(psd.shape[0]):
+            psd[c] += bsd[c]
+            psx[c] += bsx[c]
+            bsd[c] = 0
+            bsx[c] = 0
+    return add
+
+
+def _uncentre_lanes(psd: Any, psx: Any, mean: Any, x: Any, shift: Any) -> None:
+    """kernels._ops.uncentre on every lane's sums (jitted; nothing where the terms are not
+    narrow)."""
+    raise NotImplementedError
+
+
+@overload(_uncentre_lanes, inline="always")
+def _uncentre_lanes_impl(psd, psx, mean, x, shift):
+    if not narrow_terms(x.dtype, shift):
+        return lambda psd, psx, mean, x, shift: None
+
+    def lanes(psd, psx, mean, x, shift):
+        for c in range(psd.shape[0]):
+            psx[c] = uncentre(psd[c], psx[c], lane(mean, c), x, shift)
+    return lanes
 
 
 # Inlined, as the row helpers above: a call per row would pass new slices, and each costs an
