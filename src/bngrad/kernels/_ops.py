@@ -129,9 +129,9 @@ def accumulate(dy: Any, x: Any, y: Any, mean: Any, shift: Any) -> Any:
     """(dy', dy'*(x - mean)), dy' = dy - shift (None: 0): one element's terms of the sums
     (jitted), in float64; for half data without a shift (the backward's sums) in float32, to
     be summed in short float32 blocks (``block_terms``), the second about the float32 nearest
-    the mean (``_narrow_terms``, ``uncentre``). ``dy`` None: the moments' terms, dy
-    being x and mean the shift, (d, d*d) with d = x - shift: the same values, from one load
-    and one subtraction instead of two."""
+    the mean (``_narrow_terms``, ``uncentre``; ``mean`` split by ``terms_mean``). ``dy`` None:
+    the moments' terms, dy being x and mean the shift, (d, d*d) with d = x - shift: the same
+    values, from one load and one subtraction instead of two."""
     raise NotImplementedError
 
 
@@ -142,10 +142,8 @@ def _accumulate(dy, x, y, mean, shift):
             d = np.float64(to_float(x)) - shift
             return d, d * d
         return moments
-    if narrow_terms(x, shift):
-        if isinstance(mean, types.UniTuple):  # already split (split_mean)
-            return lambda dy, x, y, mean, shift: _narrow_terms(dy, x, y, mean[0])
-        return lambda dy, x, y, mean, shift: _narrow_terms(dy, x, y, np.float32(mean))
+    if narrow_terms(x, shift):  # the mean split by terms_mean
+        return lambda dy, x, y, mean, shift: _narrow_terms(dy, x, y, mean[0])
     if isinstance(shift, types.NoneType):
         def wide(dy, x, y, mean, shift):
             d = np.float64(grad(dy, y))
@@ -171,8 +169,8 @@ def _narrow_terms(dy, x, y, head):
 
 def uncentre(sum_d: Any, sum_dx: Any, mean: Any, x: Any, shift: Any) -> Any:
     """``sum_dx`` (accumulate's second sum over data ``x``, float64), made the sum about
-    ``mean`` (a float64 scalar, or a split_mean's (head, tail) lane) where the terms were
-    narrow, by subtracting the tail times ``sum_d``; else itself (jitted)."""
+    ``mean`` (as ``terms_mean`` gave it: where the terms were narrow, a (head, tail) split) by
+    subtracting the tail times ``sum_d``; else itself (jitted)."""
     raise NotImplementedError
 
 
@@ -182,27 +180,37 @@ def _uncentre(sum_d, sum_dx, mean, x, shift):
         return lambda sum_d, sum_dx, mean, x, shift: sum_dx
     # Where sum_d is infinite or NaN, so is sum_dx, with the signs of PyTorch's sum about
     # the mean; the correction would make inf - inf or 0*inf, NaN: it is left off.
-    if isinstance(mean, types.UniTuple):
-        return lambda sum_d, sum_dx, mean, x, shift: _select(
-            np.isfinite(sum_d), sum_dx - np.float64(mean[1]) * sum_d, sum_dx)
     return lambda sum_d, sum_dx, mean, x, shift: _select(
-        np.isfinite(sum_d),
-        sum_dx - np.float64(np.float32(mean - np.float64(np.float32(mean)))) * sum_d, sum_dx)
+        np.isfinite(sum_d), sum_dx - np.float64(mean[1]) * sum_d, sum_dx)
 
 
-@njit(inline="always")
-def split_mean(mean):
-    """float32 (head, tail) of a float64 array: head = float32(mean), tail = float32(mean -
-    head), the split ``accumulate`` makes of a float64 mean for half data. The lane
-    reductions split their lanes' means once per item and pass them instead (``lane``):
-    splitting per element cost halves' lane sums ~13% (benchmarks/results/
-    2026-12-01-session9.txt)."""
-    head = mean.astype(np.float32)
-    return head, (mean - head).astype(np.float32)
+def terms_mean(mean: Any, x: Any, shift: Any) -> Any:
+    """``mean`` (float64: a scalar, or an array of one per lane) as ``accumulate`` and
+    ``uncentre`` take it for data array ``x`` with ``shift`` (jitted): where the terms are
+    narrow, split into float32 (head, tail), head = float32(mean) and tail = float32(mean -
+    head); else itself. The loops split once per run or item, not per element: splitting
+    per element cost halves' lane sums ~13% (benchmarks/results/2026-12-01-session9.txt)."""
+    raise NotImplementedError
+
+
+@overload(terms_mean)
+def _terms_mean(mean, x, shift):
+    if not narrow_terms(x.dtype, shift):
+        return lambda mean, x, shift: mean
+    if isinstance(mean, types.Array):
+        def split_lanes(mean, x, shift):
+            head = mean.astype(np.float32)
+            return head, (mean - head).astype(np.float32)
+        return split_lanes
+
+    def split(mean, x, shift):
+        head = np.float32(mean)
+        return head, np.float32(mean - np.float64(head))
+    return split
 
 
 def lane(mean: Any, index: Any) -> Any:
-    """``mean[index]`` (jitted), or, for a split_mean, (head[index], tail[index])."""
+    """``mean[index]`` (jitted), or, for a split mean (terms_mean), (head[index], tail[index])."""
     raise NotImplementedError
 
 

@@ -40,7 +40,7 @@ from ._cache import install as _install_cache_locator
 from ._cache import lock_cache_files
 from ._elements import to_float
 from ._ops import (BIAS, GRAD_MEAN, MEAN, PROJ, SCALE, accumulate, block_terms, elementwise,
-                   finish, lane, narrow_terms, split_mean, take, uncentre)
+                   finish, lane, narrow_terms, take, terms_mean, uncentre)
 
 _install_cache_locator()  # before the first cached kernel is defined (kernels._cache)
 _JIT: dict[str, Any] = dict(cache=True, nogil=True)
@@ -57,17 +57,18 @@ def _run_sums(xr, dr, yr, m, shift):
     """(sum dy', sum dy'*(x - m)) over 1-D xr, dr (yr: their ReLU record or None), in float64
     (halves: in blocks)."""
     sum_dy = sum_dy_xmu = 0.0
+    mean = terms_mean(m, xr, shift)
     block, zero = block_terms(xr, shift)
     for k in range(0, xr.shape[0], block):  # one block unless the data are halves (_ops)
         xb, db, yb = xr[k:k + block], take(dr, slice(k, k + block)), take(yr, slice(k, k + block))
         bd = bx = zero
         for i in range(xb.shape[0]):
-            p, q = accumulate(take(db, i), xb[i], take(yb, i), m, shift)
+            p, q = accumulate(take(db, i), xb[i], take(yb, i), mean, shift)
             bd += p
             bx += q
         sum_dy += bd
         sum_dy_xmu += bx
-    return sum_dy, uncentre(sum_dy, sum_dy_xmu, m, xr, shift)
+    return sum_dy, uncentre(sum_dy, sum_dy_xmu, mean, xr, shift)
 
 
 @njit(inline="always", **_JIT)
@@ -95,7 +96,8 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
     """Rows r0..r1-1 of lanes c0..c1-1 summed into psd, psx (zeros; per lane, rows in order;
     the second sum about ``mean``: kernels._ops.uncentre). Narrow terms (half data) are summed
     in float32 blocks of ``_LANE_BLOCK_ROWS`` rows (from r0) first: float64 partial sums, read
-    and written every four rows, were as many bytes as the half data they summed."""
+    and written every four rows, were as many bytes as the half data they summed. ``mean``:
+    as kernels._ops.terms_mean gives it."""
     L, w = x.shape[1], c1 - c0
     ys = _with_scratch(y, 4 * w)
     bsd, bsx = _block_partials(psd, psx, x, shift)
@@ -111,14 +113,13 @@ def _accumulate_rows(x, dy, y, r0, r1, c0, c1, mean, shift, psd, psx):
                            mean, shift, bsd, bsx)
         r += 4
         if (r - r0) % _LANE_BLOCK_ROWS == 0:
-            _add_block(bsd, bsx, psd, psx)
+            _add_block(bsd, bsx, psd, psx, x, shift)
     while r < r1:
         _accumulate_row(x[r, c0:c1], take(dy, (r, slice(c0, c1))),
                         _relu_record(ys, (r, slice(c0, c1)), r * L + c0, w, 0), mean, shift,
                         bsd, bsx)
         r += 1
-    _add_block(bsd, bsx, psd, psx)
-    _uncentre_lanes(psd, psx, mean, x, shift)
+    _finish_lanes(bsd, bsx, psd, psx, mean, x, shift)
 
 
 # Rows of a lane's float32 block (narrow terms): 16 sums of four, whose error stays within
@@ -140,18 +141,18 @@ def _block_partials_impl(psd, psx, x, shift):
     return lambda psd, psx, x, shift: (psd, psx)
 
 
-def _add_block(bsd: Any, bsx: Any, psd: Any, psx: Any) -> None:
-    """A float32 block's sums (_block_partials) added into psd and psx, and zeroed; nothing
-    where they are psd and psx (jitted)."""
+def _add_block(bsd: Any, bsx: Any, psd: Any, psx: Any, x: Any, shift: Any) -> None:
+    """Where the terms are narrow, a float32 block's sums (_block_partials) added into psd and
+    psx, and zeroed; else nothing: they are psd and psx (jitted)."""
     raise NotImplementedError
 
 
 @overload(_add_block, inline="always")
-def _add_block_impl(bsd, bsx, psd, psx):
-    if bsd.dtype == psd.dtype:
-        return lambda bsd, bsx, psd, psx: None
+def _add_block_impl(bsd, bsx, psd, psx, x, shift):
+    if not narrow_terms(x.dtype, shift):
+        return lambda bsd, bsx, psd, psx, x, shift: None
 
-    def add(bsd, bsx, psd, psx):
+    def add(bsd, bsx, psd, psx, x, shift):
         for c in range(psd.shape[0]):
             psd[c] += bsd[c]
             psx[c] += bsx[c]
@@ -160,21 +161,24 @@ def _add_block_impl(bsd, bsx, psd, psx):
     return add
 
 
-def _uncentre_lanes(psd: Any, psx: Any, mean: Any, x: Any, shift: Any) -> None:
-    """kernels._ops.uncentre on every lane's sums (jitted; nothing where the terms are not
-    narrow)."""
+def _finish_lanes(bsd: Any, bsx: Any, psd: Any, psx: Any, mean: Any, x: Any,
+                  shift: Any) -> None:
+    """Where the terms are narrow, the last float32 block added into psd and psx and each
+    lane's second sum moved to its mean (kernels._ops.uncentre), in one pass; else nothing
+    (jitted)."""
     raise NotImplementedError
 
 
-@overload(_uncentre_lanes, inline="always")
-def _uncentre_lanes_impl(psd, psx, mean, x, shift):
+@overload(_finish_lanes, inline="always")
+def _finish_lanes_impl(bsd, bsx, psd, psx, mean, x, shift):
     if not narrow_terms(x.dtype, shift):
-        return lambda psd, psx, mean, x, shift: None
+        return lambda bsd, bsx, psd, psx, mean, x, shift: None
 
-    def lanes(psd, psx, mean, x, shift):
+    def finish_lanes(bsd, bsx, psd, psx, mean, x, shift):
         for c in range(psd.shape[0]):
-            psx[c] = uncentre(psd[c], psx[c], lane(mean, c), x, shift)
-    return lanes
+            psd[c] += bsd[c]
+            psx[c] = uncentre(psd[c], psx[c] + bsx[c], lane(mean, c), x, shift)
+    return finish_lanes
 
 
 # Inlined, as the row helpers above: a call per row would pass new slices, and each costs an
@@ -647,23 +651,10 @@ def reduce_short_item(item, x2, d2, y2, B, mean, shift, rows, group, partial):
     n_groups = (C + group - 1) // group
     j, g = item // n_groups, item % n_groups
     c0, c1 = g * group, min(C, g * group + group)
-    _short_block_sums(x2, d2, y2, B, _terms_mean(_lanes_of(mean, c0, c1, B), x2, shift),
+    _short_block_sums(x2, d2, y2, B, terms_mean(_lanes_of(mean, c0, c1, B), x2, shift),
                       _lanes_of(shift, c0, c1, B),
                       j * rows, min(A, j * rows + rows), c0, c1, partial[j, 0, c0:c1, 0],
                       partial[j, 0, c0:c1, 1])
-
-
-def _terms_mean(lanes: Any, x: Any, shift: Any) -> Any:
-    """``lanes`` (a mean per lane), split by kernels._ops.split_mean where accumulate's terms
-    of ``x`` with ``shift`` are float32 (jitted)."""
-    raise NotImplementedError
-
-
-@overload(_terms_mean)
-def _terms_mean_impl(lanes, x, shift):
-    if narrow_terms(x.dtype, shift):
-        return lambda lanes, x, shift: split_mean(lanes)
-    return lambda lanes, x, shift: lanes
 
 
 def _as_rows(a: Any, A: Any, n: Any) -> Any:
@@ -684,7 +675,7 @@ def _group_sums(x2, d2, y2, B, mean, shift, rows, c0, c1):
     _short_block_sums (reduce_short_item's), added in block order as combine_channels_first
     adds them (the same bits)."""
     A = x2.shape[0]
-    lane_mean = _terms_mean(_lanes_of(mean, c0, c1, B), x2, shift)
+    lane_mean = terms_mean(_lanes_of(mean, c0, c1, B), x2, shift)
     lane_shift = _lanes_of(shift, c0, c1, B)
     sd, sx = np.zeros(c1 - c0), np.zeros(c1 - c0)
     bsd, bsx = np.empty(c1 - c0), np.empty(c1 - c0)
@@ -771,7 +762,7 @@ def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
     psd, psx = partial[j, 0, c0:c1], partial[j, 1, c0:c1]
     psd[:] = 0.0
     psx[:] = 0.0
-    _accumulate_rows(x, dy, y, r0, r1, c0, c1, _terms_mean(mean[c0:c1], x, shift),
+    _accumulate_rows(x, dy, y, r0, r1, c0, c1, terms_mean(mean[c0:c1], x, shift),
                      take(shift, slice(c0, c1)), psd, psx)
 
 
