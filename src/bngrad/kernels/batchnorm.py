@@ -205,11 +205,11 @@ def _same_data(typingctx, a, b):
 
 
 def _map(x: Any, dy: Any, y: Any, z: Any, out: Any, aux: Any, scale: Any, proj: Any,
-         shift: Any, mean: Any, in_place: Any = True) -> None:
+         shift: Any, mean: Any, may_alias: Any = True) -> None:
     """out = elementwise(x, dy, y, z), and aux (kernels._ops.finish), over 1-D slices that
     start at 0, so that LLVM vectorises (None: not an operand). Coefficients: one channel's
-    scalars or per-lane vectors. ``in_place`` None: out is known to be neither x nor dy (no
-    test, below). (Jitted; inlined, as the row helpers above.)"""
+    scalars or per-lane vectors. ``may_alias`` None: out is known to be neither x nor dy (no
+    test for it, below). (Jitted; inlined, as the row helpers above.)"""
     raise NotImplementedError
 
 
@@ -232,14 +232,14 @@ def _map_x_in_out(dy, out, scale, proj, shift, mean):
 
 
 @overload(_map, inline="always")
-def _map_impl(x, dy, y, z, out, aux, scale, proj, shift, mean, in_place=True):
-    def plain(x, dy, y, z, out, aux, scale, proj, shift, mean, in_place=True):
+def _map_impl(x, dy, y, z, out, aux, scale, proj, shift, mean, may_alias=True):
+    def plain(x, dy, y, z, out, aux, scale, proj, shift, mean, may_alias=True):
         _map_loop(x, dy, y, z, out, aux, scale, proj, shift, mean)
     if not all(isinstance(a, types.NoneType) for a in (y, z, aux)) or isinstance(
-            in_place, types.NoneType):
+            may_alias, types.NoneType):
         return plain
     if isinstance(x, types.Array) and isinstance(dy, types.Array):
-        def train(x, dy, y, z, out, aux, scale, proj, shift, mean, in_place=True):
+        def train(x, dy, y, z, out, aux, scale, proj, shift, mean, may_alias=True):
             if _same_data(dy, out):
                 _map_dy_in_out(x, out, scale, proj, shift, mean)
             elif _same_data(x, out):
@@ -592,14 +592,15 @@ def _map_runs(a, c0, c1, b0, b1, x, dy, ys, z, out, aux, coef):
 
 
 @njit(inline="always", **_JIT)
-def _map_each_run(a, c0, c1, b0, b1, x, dy, ys, z, out, aux, coef, in_place):
+def _map_each_run(a, c0, c1, b0, b1, x, dy, ys, z, out, aux, coef, may_alias):
+    """_map_runs' loop: _map on each run (``may_alias``: _map's)."""
     C, B = out.shape[1], out.shape[2]
     for c in range(c0, c1):
         run = (a, c, slice(b0, b1))
         _map(take(x, run), take(dy, run),
              _relu_record(ys, run, (a * C + c) * B + b0, b1 - b0, 0), take(z, run), out[run],
              _mask_part(aux, run), coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c],
-             coef[MEAN, c], in_place)
+             coef[MEAN, c], may_alias)
 
 
 def _apart(x: Any, dy: Any, out: Any) -> Any:
