@@ -66,7 +66,7 @@ class Config:
     column_group: int = 8192          # at most this many lanes per channels-last tile
     max_row_blocks: int = 64          # row blocks per lane reduction: enough for 64 threads,
     partial_bytes: int = 1 << 21      # but at most this many bytes of partial sums
-    min_block_rows: int = 32          # and at least this many rows per block
+    min_block_rows: int = 128         # and at least this many rows per block
     reduce_items_per_thread: int = 4  # fewer row blocks: the lanes split into column groups,
     min_reduce_cols: int = 256        # of at least this many lanes, to make this many items
     fold_lanes: int = 4096            # narrower channels-last rows are folded, for reductions
