@@ -796,33 +796,21 @@ def reduce_lanes_item(item, x, dy, y, mean, shift, rows, cols, partial):
 @njit(**_JIT)
 def elementwise_lanes_item(item, x, dy, y, z, out, aux, coef, rows, cols):
     """One item per (rows block, column group), so that few rows still make many items (mask
-    bits packed once per item where its rows are whole, else per row). Whether out is x or dy
-    is tested once for the item, not for every row (_map_runs says why)."""
+    bits packed once per item where its rows are whole, else per row)."""
     _, r0, r1, c0, c1 = _tile_of(item, out.shape[0], out.shape[1], rows, cols)
     scale, proj = coef[SCALE, c0:c1], coef[PROJ, c0:c1]
     shift, mean = coef[GRAD_MEAN, c0:c1], coef[MEAN, c0:c1]
     L, w = out.shape[1], c1 - c0
+    whole = w == L  # the tile is contiguous in memory
     ys = _with_scratch(y, w)
-    if _apart(x, dy, out):
-        _map_each_row(r0, r1, c0, c1, x, dy, ys, z, out, aux, scale, proj, shift, mean, None)
-    else:
-        _map_each_row(r0, r1, c0, c1, x, dy, ys, z, out, aux, scale, proj, shift, mean, True)
-    if w == L:  # the tile is contiguous in memory
-        _flush(aux, out, r0 * L, (r1 - r0) * w)
-
-
-@njit(inline="always", **_JIT)
-def _map_each_row(r0, r1, c0, c1, x, dy, ys, z, out, aux, scale, proj, shift, mean, may_alias):
-    """elementwise_lanes_item's loop: _map on lanes c0..c1-1 of each row (``may_alias``:
-    _map's), mask bits flushed per row where the rows are not whole."""
-    L, w = out.shape[1], c1 - c0
     for r in range(r0, r1):
         lanes = (r, slice(c0, c1))
         _map(take(x, lanes), take(dy, lanes), _relu_record(ys, lanes, r * L + c0, w, 0),
-             take(z, lanes), out[lanes], _mask_part(aux, lanes), scale, proj, shift, mean,
-             may_alias)
-        if w != L:
+             take(z, lanes), out[lanes], _mask_part(aux, lanes), scale, proj, shift, mean)
+        if not whole:
             _flush(aux, out, r * L + c0, w)
+    if whole:
+        _flush(aux, out, r0 * L, (r1 - r0) * w)
 
 
 # ---------------------------------------------------------------------------------------------
