@@ -168,7 +168,7 @@ def _narrow_terms(dy, x, y, head):
 
 
 def uncentre(sum_d: Any, sum_dx: Any, mean: Any, x: Any, shift: Any) -> Any:
-    """``sum_dx`` (accumulate's second sum over data ``x``, float64), made the sum about
+    """``sum_dx`` (accumulate's second sum over data array ``x``, float64), made the sum about
     ``mean`` (as ``terms_mean`` gave it: where the terms were narrow, a (head, tail) split) by
     subtracting the tail times ``sum_d``; else itself (jitted)."""
     raise NotImplementedError
@@ -176,7 +176,7 @@ def uncentre(sum_d: Any, sum_dx: Any, mean: Any, x: Any, shift: Any) -> Any:
 
 @overload(uncentre)
 def _uncentre(sum_d, sum_dx, mean, x, shift):
-    if not narrow_terms(x.dtype if isinstance(x, types.Array) else x, shift):
+    if not narrow_terms(x.dtype, shift):
         return lambda sum_d, sum_dx, mean, x, shift: sum_dx
     # Where sum_d is infinite or NaN, so is sum_dx, with the signs of PyTorch's sum about
     # the mean; the correction would make inf - inf or 0*inf, NaN: it is left off.
