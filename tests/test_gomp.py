@@ -4,9 +4,10 @@ Every launcher on the team gives bitwise the results of Numba's pool, on any tea
 item runs exactly once, on either pool, and Numba's pool shares the items between its threads
 (kernels._launch serves both pools with the same compiled launchers); the team is PyTorch's
 (no second pool of threads); a forked child finishes (a DataLoader worker with one thread, and
-one left at two threads); Python threads calling bngrad.torch at once get the serial results;
-NumPy calls stay on Numba's pool; where PyTorch's libgomp is missing, bngrad.torch falls back
-to Numba's pool and says so.
+one left at two threads, one calling the NumPy API, which goes back to Numba's pool there);
+Python threads calling bngrad.torch at once get the serial results; NumPy calls join the team
+once PyTorch is imported, not before; where PyTorch's libgomp is missing, bngrad.torch falls
+back to Numba's pool and says so.
 """
 
 from __future__ import annotations
@@ -205,11 +206,46 @@ def test_runs_on_pytorchs_team_not_a_new_pool():
 
 # --- who runs what -----------------------------------------------------------------------------
 
-def test_numpy_calls_keep_numbas_pool_and_torch_calls_get_the_team():
-    assert kernels.launcher(False, 10) is kernels.launch
+def test_every_call_gets_the_team_once_pytorch_is_imported():
+    """bngrad.torch's calls, and the NumPy API's in a process that imported PyTorch (this
+    one), run on PyTorch's team; small work stays serial; pool "numba" sends both back."""
     assert _gomp.on_torch_team(kernels.launcher)(False, 10) is _launch.torch_team
+    assert kernels.launcher(False, 10) is _launch.torch_team
     assert _gomp.on_torch_team(kernels.launcher)(True, 10) is kernels.serial  # small: serial
+    assert kernels.launcher(True, 10) is kernels.serial
     assert bt.kernel_pool() == "torch"
+    bt.set_kernel_pool("numba")
+    assert kernels.launcher(False, 10) is kernels.launch
+    assert _gomp.on_torch_team(kernels.launcher)(False, 10) is kernels.launch
+
+
+def test_numpy_calls_without_pytorch_keep_numbas_pool():
+    """In a process that has not imported PyTorch the NumPy API runs on Numba's pool and does
+    not import PyTorch; once PyTorch is imported it joins PyTorch's team, same bits."""
+    code = textwrap.dedent("""
+        import sys
+        import numpy as np
+        import bngrad
+        from bngrad import _gomp, kernels
+        from bngrad.kernels import _launch
+        x = np.random.default_rng(0).standard_normal((32, 64, 16, 16)).astype(np.float32)
+        def step():
+            out, mean, invstd = bngrad.batch_norm_forward(x, train=True, num_threads=2)
+            return [out, *bngrad.batch_norm_backward(x[::-1].copy(), x, None, None, None,
+                                                     mean, invstd, num_threads=2)]
+        assert kernels.launcher(False, 10) is kernels.launch
+        before = step()
+        assert "torch" not in sys.modules, "the NumPy API imported PyTorch"
+        import torch
+        torch.set_num_threads(2)
+        (torch.ones(1 << 20) * 2).sum()  # PyTorch's team of 2 exists
+        assert kernels.launcher(False, 10) is _launch.torch_team
+        after = step()
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(before, after))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300, env=CHILD_ENV)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_the_switch_and_the_default():
@@ -359,16 +395,16 @@ def test_python_threads_at_once_match_serial():
         torch.set_num_threads(previous)
 
 
-def _numpy_step(x, grad):
-    """The NumPy API's forward + backward on the team (as bngrad.torch runs them)."""
+def _numpy_step(x, grad, team=True):
+    """The NumPy API's forward + backward as bngrad.torch runs them (on the team), or as a
+    NumPy caller does (``team=False``: the pool _gomp.use_torch_team chooses)."""
     import bngrad
 
-    @_gomp.on_torch_team
     def step():
         out, mean, invstd = bngrad.batch_norm_forward(x, train=True, num_threads=2)
         return [out, *bngrad.batch_norm_backward(grad, x, None, None, None, mean, invstd,
                                                  num_threads=2)]
-    return step()
+    return _gomp.on_torch_team(step)() if team else step()
 
 
 _FORK_CHILD = textwrap.dedent("""
@@ -382,17 +418,22 @@ _FORK_CHILD = textwrap.dedent("""
     ref = tg._step(*inputs)  # the parent's team of 2 (PyTorch's, running bngrad) exists
     arrays = [t.numpy() for t in inputs]
     ref_np = tg._numpy_step(*arrays)
-    for child in ("one-thread", "two-threads"):
+    ref_plain = tg._numpy_step(*arrays, team=False)  # the NumPy API: on the team here too
+    for child in ("one-thread", "two-threads", "numpy-api"):
         pid = os.fork()
         if pid == 0:
             if child == "one-thread":  # what a DataLoader worker does, then bngrad.torch
                 torch.set_num_threads(1)
                 ok = all(all(torch.equal(a, b) for a, b in zip(ref, tg._step(*inputs)))
                          for _ in range(2))
-            else:  # bngrad's kernels alone (PyTorch's own operators would hang here)
+            elif child == "two-threads":  # bngrad's kernels alone (PyTorch's would hang here)
                 ok = all(all(np.array_equal(a, b) for a, b in zip(ref_np,
                                                                    tg._numpy_step(*arrays)))
                          for _ in range(2))
+            else:  # the NumPy API: back on Numba's pool (fork-safe), in parallel
+                ok = not tg._gomp.use_torch_team() and all(
+                    all(np.array_equal(a, b) for a, b in zip(
+                        ref_plain, tg._numpy_step(*arrays, team=False))) for _ in range(2))
             os._exit(0 if ok else 3)
         deadline = time.monotonic() + 120
         while True:
@@ -421,4 +462,47 @@ def test_forked_children_complete():
     proc = subprocess.run([sys.executable, "-c", _FORK_CHILD.format(here=HERE)],
                           capture_output=True, text=True, timeout=300, env=CHILD_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
-    assert proc.stdout.split() == ["one-thread", "exit", "0", "two-threads", "exit", "0"]
+    assert proc.stdout.split() == ["one-thread", "exit", "0", "two-threads", "exit", "0",
+                                   "numpy-api", "exit", "0"]
+
+
+_MULTIPROCESSING_CHILD = textwrap.dedent("""
+    import multiprocessing, sys
+    import torch
+
+    def work(queue):
+        import numpy as np
+        import bngrad
+        from bngrad import _gomp
+        x = np.random.default_rng(0).standard_normal((32, 64, 16, 16)).astype(np.float32)
+        out, mean, invstd = bngrad.batch_norm_forward(x, train=True, num_threads=2)
+        bngrad.batch_norm_backward(x, x, None, None, None, mean, invstd, num_threads=2)
+        queue.put(_gomp.use_torch_team())
+
+    if __name__ == "__main__":
+        torch.set_num_threads(2)
+        (torch.ones(1 << 20) * 2).sum()  # the parent has a team of 2, and no bngrad
+        ctx = multiprocessing.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=work, args=(queue,))
+        child.start()
+        child.join(120)
+        if child.is_alive():  # hung: kill it rather than leave it behind
+            child.kill()
+            child.join()
+            sys.exit(124)
+        print("exit", child.exitcode, "team", queue.get(timeout=10))
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_multiprocessing_child_of_a_pytorch_parent_completes(tmp_path):
+    """A multiprocessing child forked from a process that ran PyTorch's parallel operators
+    before importing bngrad (so bngrad could not see the fork) runs the NumPy API to the
+    end, on Numba's pool, where PyTorch's team would hang."""
+    script = tmp_path / "mp_child.py"
+    script.write_text(_MULTIPROCESSING_CHILD)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=CHILD_ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-2000:]
+    assert proc.stdout.split() == ["exit", "0", "team", "False"]

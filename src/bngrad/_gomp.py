@@ -12,18 +12,26 @@ it and says when to use it; kernels._launch has the launchers.
   saying why, when PyTorch is not installed, not built with OpenMP, or its libgomp cannot be
   found or is not loaded; bngrad.torch then falls back to Numba's pool, silently, and
   :func:`kernel_pool` (``bngrad.torch.kernel_pool()``) says so.
-- **The choice**: bngrad.torch's entry points run under :func:`on_torch_team` (a context
-  variable: each Python thread and asyncio task has its own); ``kernels.launcher`` asks
-  :func:`use_torch_team` at every parallel launch. NumPy callers never set it and keep
-  Numba's TBB pool, fork- and thread-safe as before. The team is the default (docs/torch.md,
-  "Threads", has the measurements): :func:`set_kernel_pool` ``("numba")`` (or the environment
-  variable ``BNGRAD_TORCH_POOL=numba``) goes back to Numba's pool.
+- **The choice**: ``kernels.launcher`` asks :func:`use_torch_team` at every parallel launch.
+  bngrad.torch's entry points run under :func:`on_torch_team` (a context variable: each
+  Python thread and asyncio task has its own) and take the team. NumPy callers take it too in
+  a process that has imported PyTorch (:func:`_numpy_calls_may_join`): there PyTorch's team
+  already spins on the cores after its operators, and a launch on Numba's pool would fight
+  it, or wait for TBB workers that went to sleep (a 4096x1024 float32 backward, 2 threads,
+  2 ms after PyTorch's last operator: 3.9 ms on Numba's pool, 2.7 ms on the team; 256x4096
+  0.95 vs 0.52 ms; benchmarks/results/2026-12-04-session29.txt). A process that has not
+  imported PyTorch keeps Numba's TBB pool and never imports PyTorch for it. The team is the
+  default (docs/torch.md, "Threads", has the measurements): :func:`set_kernel_pool`
+  ``("numba")`` (or the environment variable ``BNGRAD_TORCH_POOL=numba``) goes back to
+  Numba's pool for every call.
 - **Fork**: GNU OpenMP is not fork-safe: a team the parent had (PyTorch's or bngrad's) refers,
   in the child, to threads that no longer exist, and a parallel region there never ends
   (PyTorch's own operators hang the same way, which is why DataLoader workers set one
   thread). Whether the parent had a team cannot be asked, so in a process forked after this
-  module was imported every launch runs serially (:func:`forked`): slower, same bits, never a
-  hang.
+  module was imported bngrad.torch's launches run serially (:func:`forked`): slower, same
+  bits, never a hang; NumPy callers there go back to Numba's pool (TBB is fork-safe), as
+  they do in any child of ``multiprocessing`` (which may have been forked before this module
+  was imported, unseen).
 - **Threads**: several Python threads may launch at once: each becomes the master of its own
   team (libgomp keeps one pool per initial thread); the launchers release the GIL.
 """
@@ -35,7 +43,9 @@ import ctypes
 import functools
 import glob
 import inspect
+import multiprocessing
 import os
+import sys
 import threading
 import warnings
 from typing import Any, Callable, Optional, TypeVar, cast
@@ -168,11 +178,12 @@ def thread_num_address() -> int:
     return _loaded().thread_num
 
 
-# --- who runs bngrad.torch's kernels -------------------------------------------------------------
+# --- who runs bngrad's kernels -------------------------------------------------------------------
 #
 # bngrad.torch's entry points run under on_torch_team (a context variable, so each Python thread
 # and asyncio task has its own); kernels.__init__ reads use_torch_team() when it picks its
-# launchers. NumPy callers never set it: they keep Numba's TBB pool.
+# launchers. NumPy callers never set it: they join the team only in a process that has imported
+# PyTorch (_numpy_calls_may_join), else keep Numba's TBB pool.
 
 POOLS = ("torch", "numba")
 _ENV = "BNGRAD_TORCH_POOL"
@@ -190,10 +201,11 @@ _on_team: contextvars.ContextVar[bool] = contextvars.ContextVar("bngrad_torch_te
 
 
 def set_kernel_pool(pool: str) -> None:
-    """Choose the pool bngrad.torch's kernels run on: ``"torch"`` (PyTorch's OpenMP team, the
-    default) or ``"numba"`` (Numba's TBB pool, as the NumPy API's; better where other processes
-    keep the cores busy). The environment variable ``BNGRAD_TORCH_POOL`` sets the pool at
-    import. Results are bitwise the same either way.
+    """Choose the pool bngrad's kernels run on in a process that has imported PyTorch:
+    ``"torch"`` (PyTorch's OpenMP team, the default, for bngrad.torch's calls and the NumPy
+    API's alike) or ``"numba"`` (Numba's TBB pool, as in a process without PyTorch; better
+    where other processes keep the cores busy). The environment variable
+    ``BNGRAD_TORCH_POOL`` sets the pool at import. Results are bitwise the same either way.
 
     Raises
     ------
@@ -207,8 +219,10 @@ def set_kernel_pool(pool: str) -> None:
 
 
 def kernel_pool() -> str:
-    """The pool bngrad.torch's kernels run on now: ``"torch"``, or ``"numba"``, followed by why
-    where ``"torch"`` was chosen but PyTorch's libgomp is unavailable (the silent fallback)."""
+    """The pool bngrad.torch's kernels run on now (and, in a process that has imported
+    PyTorch, the NumPy API's: :func:`use_torch_team`): ``"torch"``, or ``"numba"``, followed by
+    why where ``"torch"`` was chosen but PyTorch's libgomp is unavailable (the silent
+    fallback)."""
     if _pool == "numba":
         return "numba"
     if _load() is None:
@@ -217,9 +231,25 @@ def kernel_pool() -> str:
 
 
 def use_torch_team() -> bool:
-    """Whether the kernels called now run on PyTorch's team: inside :func:`on_torch_team`,
-    with the pool set to ``"torch"`` and PyTorch's libgomp available."""
-    return _on_team.get() and _pool == "torch" and _load() is not None
+    """Whether the kernels called now run on PyTorch's team: with the pool set to ``"torch"``
+    and PyTorch's libgomp available, inside :func:`on_torch_team` (bngrad.torch's calls), or
+    for a NumPy caller where :func:`_numpy_calls_may_join`."""
+    if _pool != "torch":
+        return False
+    if _on_team.get():
+        return _load() is not None
+    return _numpy_calls_may_join() and _load() is not None
+
+
+def _numpy_calls_may_join() -> bool:
+    """Whether a NumPy caller's kernels may run on PyTorch's team: PyTorch is imported (so
+    its libgomp is loaded; checked without importing it), and this process is neither forked
+    after this module's import (:func:`forked`) nor a ``multiprocessing`` child, which may have
+    been forked from a process that had a team before bngrad was imported, where a parallel
+    region would never end. (bngrad.torch's calls follow PyTorch instead: serial in the first
+    case, DataLoader workers set one thread.)"""
+    return (sys.modules.get("torch") is not None and not _forked
+            and multiprocessing.parent_process() is None)
 
 
 def on_torch_team(fn: _F) -> _F:

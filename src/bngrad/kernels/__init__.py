@@ -52,8 +52,9 @@ def launcher(serial_call: bool, n: int) -> Any:
     """The launchers for ``n`` items of a call: serial for a serial call (small work or one
     thread: kernels._plan.runs_serial, which ``KernelPlan.serial`` records), or where there
     is one item only (nothing to share, and a launch would still wake the pool); else, for
-    bngrad.torch's calls, PyTorch's OpenMP team (kernels._launch.torch_team; where
-    bngrad._gomp.use_torch_team says so); else ``launch``, Numba's pool."""
+    bngrad.torch's calls and for NumPy callers in a process that has imported PyTorch,
+    PyTorch's OpenMP team (kernels._launch.torch_team; where bngrad._gomp.use_torch_team
+    says so); else ``launch``, Numba's pool."""
     if serial_call or n < 2:
         return serial
     return _launch.torch_team if _gomp.use_torch_team() else launch

@@ -4,13 +4,14 @@ A launcher runs ``item(i, *args)`` for items ``0..n-1`` of one kernel (``reduce_
 *args)``, ...: the names of :data:`bngrad.kernels.LAUNCHERS`) on a team of threads. One
 compiled function per item and argument types serves two pools:
 
-- :data:`numba_pool`, for NumPy calls: Numba's threading layer (TBB, thread- and fork-safe;
-  bngrad._threads), through ``numba_parallel_for``, the entry point Numba's own ``prange``
-  loops call;
-- :data:`torch_team`, for ``bngrad.torch``'s calls: the GNU OpenMP team PyTorch's own
-  operators use, through ``GOMP_parallel`` in the libgomp PyTorch loaded (bngrad._gomp). Two
-  pools that each spin after their work take the cores from each other between a PyTorch
-  operator and a bngrad call (issue 12).
+- :data:`numba_pool`, for NumPy calls in a process without PyTorch: Numba's threading layer
+  (TBB, thread- and fork-safe; bngrad._threads), through ``numba_parallel_for``, the entry
+  point Numba's own ``prange`` loops call;
+- :data:`torch_team`, for ``bngrad.torch``'s calls and NumPy calls in a process that has
+  imported PyTorch: the GNU OpenMP team PyTorch's own operators use, through
+  ``GOMP_parallel`` in the libgomp PyTorch loaded (bngrad._gomp says when). Two pools that
+  each spin after their work take the cores from each other between a PyTorch operator and a
+  bngrad call (issue 12).
 
 Each launcher is an ``njit`` function of the item's arguments, compiled per argument types as
 any Numba function; inside it, :func:`_run_items` emits the parallel region itself:
