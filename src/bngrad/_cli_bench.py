@@ -211,8 +211,8 @@ def _grid(result):
     fused, compiled = _fused(result), _compiled(result)
     title = (f"bngrad bench --suite {result.suite}{' --op fused' if fused else ''}"
              f"{' --compile' if compiled else ''}: "
-             f"{m['cpu_model']}, {m['cores']} cores, {result.options.threads} threads, "
-             f"{m['date']}")
+             f"{m['cpu_model']}, {m['cores']} cores, {result.options.threads} threads"
+             f"{_pool_words(m)}, {m['date']}")
     base = "plain" if fused else "floor"
     # torch.compile's columns sit beside PyTorch's (time, then ratio); only with --compile
     tc_ms, tc_x = (["torch.compile ms"], ["vs torch.compile"]) if compiled else ([], [])
@@ -251,6 +251,13 @@ def _grid(result):
     if memory:
         total.append("")
     return title, columns, rows, total, slower
+
+
+def _pool_words(machine: dict) -> str:
+    """Which threads ran bngrad's kernels (absent from runs saved before it was recorded)."""
+    pool = machine.get("kernel_pool")
+    return {"torch": " (bngrad on PyTorch's team)",
+            "numba": " (bngrad on Numba's pool)"}.get(pool, "")
 
 
 def _fused(result) -> bool:

@@ -17,6 +17,7 @@ import numba
 import numpy as np
 
 import bngrad
+from bngrad import _gomp
 from bngrad._threads import threading_layer
 
 from .contenders import Unavailable, import_torch
@@ -95,6 +96,8 @@ def machine_info(threads: int) -> dict:
         "python": platform.python_version(), "bngrad": bngrad.__version__,
         "numpy": np.__version__, "numba": numba.__version__, "torch": torch_version,
         "threading_layer": threading_layer(),
+        # where bngrad's kernels run in this process (PyTorch's team once it is imported)
+        "kernel_pool": "torch" if _gomp.use_torch_team() else "numba",
         # other processes' load at the start: the figures are noisy when it is high
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
