@@ -255,9 +255,8 @@ def _grid(result):
 
 def _pool_words(machine: dict) -> str:
     """Which threads ran bngrad's kernels (absent from runs saved before it was recorded)."""
-    pool = machine.get("kernel_pool")
-    return {"torch": " (bngrad on PyTorch's team)",
-            "numba": " (bngrad on Numba's pool)"}.get(pool, "")
+    words = {"torch": " (bngrad on PyTorch's team)", "numba": " (bngrad on Numba's pool)"}
+    return words.get(str(machine.get("kernel_pool")), "")
 
 
 def _fused(result) -> bool:
