@@ -219,10 +219,9 @@ def set_kernel_pool(pool: str) -> None:
 
 
 def kernel_pool() -> str:
-    """The pool bngrad.torch's kernels run on now (and, in a process that has imported
-    PyTorch, the NumPy API's: :func:`use_torch_team`): ``"torch"``, or ``"numba"``, followed by
-    why where ``"torch"`` was chosen but PyTorch's libgomp is unavailable (the silent
-    fallback)."""
+    """The pool bngrad.torch's kernels run on now (and the NumPy API's, where
+    :func:`_numpy_calls_may_join`): ``"torch"``, or ``"numba"``, followed by why where
+    ``"torch"`` was chosen but PyTorch's libgomp is unavailable (the silent fallback)."""
     if _pool == "numba":
         return "numba"
     if _load() is None:
