@@ -43,7 +43,6 @@ import ctypes
 import functools
 import glob
 import inspect
-import multiprocessing
 import os
 import sys
 import threading
@@ -233,11 +232,8 @@ def use_torch_team() -> bool:
     """Whether the kernels called now run on PyTorch's team: with the pool set to ``"torch"``
     and PyTorch's libgomp available, inside :func:`on_torch_team` (bngrad.torch's calls), or
     for a NumPy caller where :func:`_numpy_calls_may_join`."""
-    if _pool != "torch":
-        return False
-    if _on_team.get():
-        return _load() is not None
-    return _numpy_calls_may_join() and _load() is not None
+    return (_pool == "torch" and (_on_team.get() or _numpy_calls_may_join())
+            and _load() is not None)
 
 
 def _numpy_calls_may_join() -> bool:
@@ -247,8 +243,11 @@ def _numpy_calls_may_join() -> bool:
     been forked from a process that had a team before bngrad was imported, where a parallel
     region would never end. (bngrad.torch's calls follow PyTorch instead: serial in the first
     case, DataLoader workers set one thread.)"""
-    return (sys.modules.get("torch") is not None and not _forked
-            and multiprocessing.parent_process() is None)
+    if sys.modules.get("torch") is None or _forked:
+        return False
+    # A multiprocessing child has the module (its bootstrap runs in it): no import for this.
+    mp = sys.modules.get("multiprocessing")
+    return mp is None or mp.parent_process() is None
 
 
 def on_torch_team(fn: _F) -> _F:
