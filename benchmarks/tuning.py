@@ -8,6 +8,13 @@ over rounds), for each value of one constant (``--set name=v1,v2``) or each forc
     .venv/bin/python benchmarks/tuning.py 32,2048,7,7 --op reduce --set short_group_lanes=1024,1536
     .venv/bin/python benchmarks/tuning.py 32,64,28,28 --op backward --path fused,short
     .venv/bin/python benchmarks/tuning.py 131072,256 --op reduce --set fold_lanes=256,4096
+    .venv/bin/python benchmarks/tuning.py 64,64,8,8 --nhwc --cold --set fold_lanes=512,4096
+
+``--cold`` streams 128 MiB through the caches before each timed call, so that x and dy come
+from memory, as in a model, where the layers around a batch norm have evicted them; it prints
+the median as well as the minimum (cold calls vary more). The copy is PyTorch's, on its
+OpenMP team, where bngrad's calls then run too (bngrad._gomp), as in a model: a NumPy copy
+would leave the pool's threads asleep, and the figures would measure their waking.
 
 Results depend on the machine and its load: measure on an idle machine, several times.
 """
@@ -49,6 +56,8 @@ def main(argv=None):
     parser.add_argument("--nhwc", action="store_true", help="channels-last memory layout")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=30, help="rounds (default 30)")
+    parser.add_argument("--cold", action="store_true",
+                        help="evict the caches before each timed call")
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--set", metavar="NAME=V1,V2,...", help="values of one constant")
     group.add_argument("--path", metavar="P1,P2,...", help="kernel paths to force")
@@ -74,20 +83,30 @@ def main(argv=None):
                     for v in values.split(",")}
     else:
         settings = {p: lambda p=p: kernels.forced_path(p) for p in args.path.split(",")}
-    best = {label: float("inf") for label in settings}
+    times: dict[str, list[float]] = {label: [] for label in settings}
+    if args.cold:
+        import torch
+        big, sink = torch.ones(16 << 20, dtype=torch.float64), torch.empty(16 << 20,
+                                                                             dtype=torch.float64)
+        if args.threads:
+            torch.set_num_threads(args.threads)
     for setting in settings.values():  # compile and warm every setting first
         with setting():
             _call(args.op, x, dy, stats, out, args.threads)
     for _ in range(args.repeat):
         for label, setting in settings.items():
             with setting():
+                if args.cold:
+                    sink.copy_(big)
                 start = time.perf_counter()
                 _call(args.op, x, dy, stats, out, args.threads)
-                best[label] = min(best[label], time.perf_counter() - start)
+                times[label].append(time.perf_counter() - start)
     with next(iter(settings.values()))():
         print(bngrad.explain(x, dy, num_threads=args.threads))
-    for label, seconds in best.items():
-        print(f"{args.op} {shape} {dtype.name}: {label:>28}  {seconds * 1e3:8.3f} ms (min)")
+    for label, seconds in times.items():
+        median = f"  {np.median(seconds) * 1e3:8.3f} ms (median)" if args.cold else ""
+        print(f"{args.op} {shape} {dtype.name}: {label:>28}  {min(seconds) * 1e3:8.3f} ms (min)"
+              + median)
 
 
 if __name__ == "__main__":
