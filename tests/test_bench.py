@@ -66,6 +66,33 @@ def test_floor_in_place_matches_and_reuses_its_output():
     assert fresh() is not fresh()
 
 
+@pytest.mark.parametrize("case", TINY, ids=lambda c: c.label)
+def test_bngrad_out_contender_writes_bngrads_result_into_one_buffer(case):
+    from bngrad._bench.contenders import CONTENDERS
+    data = bench.make_arrays(case, seed=2)
+    opts = bench.Options(threads=2)
+    fresh = CONTENDERS["bngrad"][0](data, 2, opts)
+    into_out = CONTENDERS["bngrad_out"][0](data, 2, opts)
+    first, second = into_out()[0], into_out()[0]
+    assert first is second, "bngrad_out must reuse one grad_input buffer"
+    bits = f"u{first.dtype.itemsize}"  # the same bits (NumPy compares no bfloat16)
+    np.testing.assert_array_equal(fresh()[0].view(bits), first.view(bits))
+
+
+def test_summary_gives_large_float32_cases_into_out_per_layout():
+    def result(shape, layout, out_ms, floor_ms):
+        timings = {"bngrad_out": measure.Timing([out_ms], 1),
+                   "floor_in_place": measure.Timing([floor_ms], 1)}
+        return results.CaseResult(bench.Case(shape, "float32", layout), timings)
+    big, small = (32, 256, 56, 56), (4, 3, 5, 6)
+    cases = [result(big, "contiguous", 1.2, 1.0), result(big, "contiguous", 3.0, 2.0),
+             result(big, "contiguous", 1.0, 1.0), result(big, "channels_last", 1.7, 1.0),
+             result(small, "channels_last", 9.0, 1.0), result(big, "mixed", 9.0, 1.0)]
+    summary = results.SuiteResult("quick", bench.Options(threads=2), {}, cases).summary()
+    assert summary["median_out_ratio_to_floor_in_place_fp32_ge_64mib"] == pytest.approx(
+        {"contiguous": 1.2, "channels_last": 1.7})
+
+
 def test_floor_rejects_arrays_of_different_layouts():
     data = bench.make_arrays(bench.Case((2, 3, 4, 5), "float32", "mixed"))
     with pytest.raises(ValueError, match="same strides|equal strides"):
@@ -190,12 +217,15 @@ def test_cli_runs_a_suite_and_writes_json_and_plot(tiny_suite, tmp_path, capsys)
     for got, case in zip(result["cases"], TINY):
         assert (tuple(got["shape"]), got["dtype"], got["layout"]) == (
             case.shape, case.dtype, case.layout)
-        for name in ("bngrad", "torch", "reference", "floor", "floor_in_place", "bngrad@1"):
+        for name in ("bngrad", "torch", "reference", "floor", "floor_in_place", "bngrad_out",
+                     "bngrad@1"):
             t = got["timings"][name]
             assert len(t["samples_ms"]) >= 2 and t["q1_ms"] <= t["median_ms"] <= t["q3_ms"]
-        bn, th, fl = (got["timings"][k]["median_ms"] for k in ("bngrad", "torch", "floor"))
+        bn, th, fl, bo, fi = (got["timings"][k]["median_ms"] for k in (
+            "bngrad", "torch", "floor", "bngrad_out", "floor_in_place"))
         assert got["speedup_vs_torch"] == pytest.approx(th / bn)
         assert got["ratio_to_floor"] == pytest.approx(bn / fl)
+        assert got["out_ratio_to_floor_in_place"] == pytest.approx(bo / fi)
         assert got["gbps"] == pytest.approx(3 * got["bytes_per_array"] / (bn * 1e-3) / 1e9)
         assert got["deterministic_across_threads"] is True
         assert 0 < got["cores_busy"] <= 2 * 1.1  # CPU time of at most 2 threads, clock slack

@@ -322,6 +322,9 @@ def markdown(result) -> str:
     return "\n".join(lines) + "\n"
 
 
+_IN_WORDS = {"contiguous": "channels-first", "channels_last": "channels-last"}
+
+
 def _notes(result) -> List[str]:
     cases, s = result.cases, result.summary()
     notes = []
@@ -380,6 +383,11 @@ def _notes(result) -> List[str]:
         notes.append(f"float32 NCHW/channels-last cases of >= 64 MiB per array: median "
                      f"{s['median_ratio_to_floor_fp32_ge_64mib']:.2f}x the floor "
                      f"({s['fp32_ge_64mib_cases']} cases).")
+    into_out = s["median_out_ratio_to_floor_in_place_fp32_ge_64mib"]
+    if into_out:
+        notes.append("The same cases with out= (one reused grad_input), against the floor "
+                     "into one reused output: median " + ", ".join(
+                         f"{v:.2f}x ({_IN_WORDS[k]})" for k, v in into_out.items()) + ".")
     if s["geomean_gbps_by_dtype"]:
         notes.append("GB/s by dtype (geometric mean): " + ", ".join(
             f"{k} {v:.1f}" for k, v in s["geomean_gbps_by_dtype"].items()))

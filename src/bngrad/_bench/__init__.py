@@ -16,6 +16,8 @@ the same thread count for every contender:
   it: it must read x and dy and write dx too;
 - **floor_in_place**: the same pass into one output allocated up front, so the difference to
   ``floor`` is what fresh memory costs (page faults, the kernel zeroing pages);
+- **bngrad_out**: bngrad into ``out=``, one grad_input allocated up front, reused alike: its
+  ratio to floor_in_place is bngrad's distance to the floor without the fresh pages;
 - **torch_compile** (only with ``Options.torch_compile``): the torch contender's function
   through ``torch.compile`` (inductor, static shapes), compiled before the timings (skipped,
   with the reason, without PyTorch or a C++ compiler, or when compiling fails).

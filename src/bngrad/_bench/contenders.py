@@ -13,6 +13,8 @@ from __future__ import annotations
 import shutil
 from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Sequence, Tuple
 
+import numpy as np
+
 import bngrad
 from bngrad import reference
 
@@ -50,6 +52,16 @@ def _bngrad(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
     fn, d = bngrad.batch_norm_backward, data
     return lambda: fn(d.grad_out, d.input, d.weight, None, None, d.save_mean, d.save_invstd,
                       True, EPS, (True, True, True), channel_axis=1, num_threads=threads)
+
+
+def _bngrad_out(data: CaseData, threads: int, opts: Options) -> Callable[[], Any]:
+    """bngrad into ``out=``: one grad_input buffer in input's layout, paged in up front and
+    reused by every call (compared with floor_in_place, which reuses its output alike)."""
+    fn, d = bngrad.batch_norm_backward, data
+    out = np.zeros_like(d.input)  # written once: its pages are in before any timing
+    return lambda: fn(d.grad_out, d.input, d.weight, None, None, d.save_mean, d.save_invstd,
+                      True, EPS, (True, True, True), channel_axis=1, num_threads=threads,
+                      out=out)
 
 
 def _aten_backward(dy, x, w, m, s):
@@ -234,6 +246,8 @@ CONTENDERS: Dict[str, Tuple[Callable, str]] = {
     "reference": (_reference, "bngrad.reference (float64 NumPy)"),
     "floor": (_floor, "fused elementwise pass dx = a*dy + b*x into a new array (memory floor)"),
     "floor_in_place": (_floor_in_place, "the same pass into one reused, paged-in array"),
+    "bngrad_out": (_bngrad_out, "bngrad.batch_norm_backward into out=, one reused, paged-in "
+                                "grad_input"),
 }
 #: the same for the fused ops; "plain" (bngrad's unfused batch norm) is their baseline
 FUSED_CONTENDERS: Dict[str, Tuple[Callable, str]] = {

@@ -84,6 +84,11 @@ class CaseResult:
         return x + (fused.mask_bytes(self.case.numel, "bits") if name == "bngrad" else x)
 
     @property
+    def out_ratio_to_floor_in_place(self) -> Optional[float]:
+        """bngrad's time into ``out=`` / the in-place floor's (the backward only)."""
+        return self._ratio("bngrad_out", "floor_in_place")
+
+    @property
     def scaling(self) -> Optional[float]:
         """bngrad's speedup on ``threads`` threads over one thread."""
         return self._ratio("bngrad@1", "bngrad")
@@ -118,6 +123,7 @@ class CaseResult:
             "speedup_vs_torch": self.speedup_vs_torch,
             "speedup_vs_torch_compile": self.speedup_vs_torch_compile,
             "ratio_to_floor": self.ratio_to_floor,
+            "out_ratio_to_floor_in_place": self.out_ratio_to_floor_in_place,
             "gbps": self.gbps(), "floor_gbps": self.gbps("floor"),
             "scaling_1_to_n": self.scaling, "floor_scaling_1_to_n": self.floor_scaling,
             "cores_busy": self.cores_busy,
@@ -152,9 +158,14 @@ class SuiteResult:
         vs_compiled = [(c.speedup_vs_torch_compile, c) for c in cs
                        if c.speedup_vs_torch_compile is not None]
         slowest_compiled = min(vs_compiled, key=lambda p: p[0]) if vs_compiled else None
-        big = [c.ratio_to_floor for c in cs
-               if c.case.dtype == "float32" and c.case.layout in CF_CL and not c.case.fused
-               and c.case.bytes_per_array >= 64 << 20 and c.ratio_to_floor is not None]
+        large = [c for c in cs if c.case.dtype == "float32" and c.case.layout in CF_CL
+                 and not c.case.fused and c.case.bytes_per_array >= 64 << 20]
+        big = [c.ratio_to_floor for c in large if c.ratio_to_floor is not None]
+        # the same cases into out=, against the in-place floor, per layout
+        into_out = {layout: [c.out_ratio_to_floor_in_place for c in large
+                             if c.case.layout == layout
+                             and c.out_ratio_to_floor_in_place is not None]
+                    for layout in CF_CL}
         per_byte = {}
         for dtype in _dtypes.NAMES:
             rates = [c.gbps() for c in cs if c.case.dtype == dtype and c.gbps()]
@@ -180,6 +191,8 @@ class SuiteResult:
             "geomean_ratio_to_floor": geomean(c.ratio_to_floor for c in cs),
             "median_ratio_to_floor_fp32_ge_64mib": float(np.median(big)) if big else None,
             "fp32_ge_64mib_cases": len(big),
+            "median_out_ratio_to_floor_in_place_fp32_ge_64mib": {
+                layout: float(np.median(r)) for layout, r in into_out.items() if r},
             "geomean_gbps_by_dtype": per_byte,
             "geomean_scaling_1_to_n": geomean(c.scaling for c in cs),
             "max_bngrad_extra_bytes": max(extras) if extras else None,
