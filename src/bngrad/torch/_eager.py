@@ -30,7 +30,8 @@ import bngrad
 
 from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
-from ._convert import from_numpy, output_like, to_numpy, to_numpy_optional, torch_terms
+from ._convert import (empty_like, from_numpy, output_like, to_numpy, to_numpy_optional,
+                       torch_terms)
 
 __all__ = ["applies", "batch_norm"]
 
@@ -103,7 +104,7 @@ class _BatchNorm(torch.autograd.Function):
             return _differentiable_backward(ctx, ctx.saved_tensors, grad_out, mask) + (None,) * 5
         if grad_out.dtype != input.dtype:  # autograd may hand over a grad of another dtype
             grad_out = grad_out.to(input.dtype)
-        grad_input = torch.empty_like(input) if mask[0] else None
+        grad_input = empty_like(input) if mask[0] else None
         _, grad_weight, grad_bias = bngrad.batch_norm_backward(
             to_numpy(grad_out, "grad_out"), to_numpy(input, "input"),
             to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),

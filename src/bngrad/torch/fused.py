@@ -35,8 +35,8 @@ import bngrad
 from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
 from . import _eager, functional, ops
-from ._convert import (from_numpy, is_supported_device, output_like, to_numpy, to_numpy_optional,
-                       torch_terms)
+from ._convert import (empty_like, from_numpy, is_supported_device, output_like, to_numpy,
+                       to_numpy_optional, torch_terms)
 from .modules import _BngradBatchNorm, _traced_call
 
 __all__ = ["BatchNormAddReLU1d", "BatchNormAddReLU2d", "BatchNormAddReLU3d", "BatchNormReLU1d",
@@ -201,7 +201,7 @@ def batch_norm_relu_backward(grad_out: Tensor, input: Tensor, weight: Optional[T
     _check_bits(relu_mask, activation)
     if grad_out.dtype != input.dtype:
         grad_out = grad_out.to(input.dtype)
-    grad_input = (torch.empty_like(input) if output_mask[0]
+    grad_input = (empty_like(input) if output_mask[0]
                   else ops._empty(input.dtype, input.device))
     _, grad_weight, grad_bias, g = bngrad.batch_norm_relu_backward(
         to_numpy(grad_out, "grad_out"), to_numpy(input, "input"),
@@ -216,7 +216,7 @@ def batch_norm_relu_backward(grad_out: Tensor, input: Tensor, weight: Optional[T
     grad_side = ops._empty(input.dtype, input.device)
     if output_mask[3]:  # in the strides the fake implementation promises
         assert g is not None
-        grad_side = torch.empty_like(input)
+        grad_side = empty_like(input)
         grad_side.copy_(from_numpy(g))
     return (grad_input, ops._vector(grad_weight, param, input.device),
             ops._vector(grad_bias, param, input.device), grad_side)
@@ -303,7 +303,7 @@ class _BatchNormReLU(torch.autograd.Function):
             return _differentiable_backward(ctx, ctx.saved_tensors, grad_out, mask) + (None,) * 6
         if grad_out.dtype != input.dtype:
             grad_out = grad_out.to(input.dtype)
-        grad_input = torch.empty_like(input) if mask[0] else None
+        grad_input = empty_like(input) if mask[0] else None
         _, grad_weight, grad_bias, g = bngrad.batch_norm_relu_backward(
             to_numpy(grad_out, "grad_out"), to_numpy(input, "input"),
             to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),

@@ -38,8 +38,8 @@ import bngrad
 
 from .. import _gomp
 from ..errors import ArgumentTypeError, ArgumentValueError
-from ._convert import (HALF, from_numpy, output_like, stat_dtype, to_numpy, to_numpy_optional,
-                       torch_terms)
+from ._convert import (HALF, empty_like, from_numpy, output_like, stat_dtype, to_numpy,
+                       to_numpy_optional, torch_terms)
 
 __all__ = [
     "batch_norm_backward",
@@ -207,7 +207,7 @@ def batch_norm_backward(grad_out: Tensor, input: Tensor, weight: Optional[Tensor
         grad_out = grad_out.to(input.dtype)
     # grad_input is allocated by torch (its allocator, its alignment, the strides the fake
     # implementation promises) and written in place by bngrad.
-    grad_input = torch.empty_like(input) if output_mask[0] else _empty(input.dtype, input.device)
+    grad_input = empty_like(input) if output_mask[0] else _empty(input.dtype, input.device)
     _, grad_weight, grad_bias = bngrad.batch_norm_backward(
         to_numpy(grad_out, "grad_out"), to_numpy(input, "input"),
         to_numpy_optional(weight, "weight"), to_numpy_optional(running_mean, "running_mean"),
@@ -392,7 +392,7 @@ def batch_norm_backward_elemt(grad_out: Tensor, input: Tensor, mean: Tensor, inv
                               weight: Optional[Tensor], sum_dy: Tensor, sum_dy_xmu: Tensor,
                               count: Tensor) -> Tensor:
     """grad_input from the (all-reduced) sums; ``count``: per-rank element counts (summed)."""
-    grad_input = torch.empty_like(input)
+    grad_input = empty_like(input)
     bngrad.batch_norm_backward_elemt(
         to_numpy(grad_out, "grad_out"), to_numpy(input, "input"), to_numpy(mean, "mean"),
         to_numpy(invstd, "invstd"), to_numpy_optional(weight, "weight"),
