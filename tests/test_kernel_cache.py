@@ -109,3 +109,45 @@ def test_a_save_waits_for_another_process_holding_the_lock(tmp_path):
     saver.join(timeout=10)
     assert done.is_set()
     assert cache_file.load("first") == b"one" and cache_file.load("second") == b"two"
+
+
+def test_each_items_worker_has_a_name_of_its_own():
+    """Numba names a compiled function by its qualified name, argument types and a per-process
+    counter, and links functions of one name as one: workers sharing one name let a process
+    that loaded two cached launchers run one item's worker for another's (kernels._launch)."""
+    from bngrad.kernels import _launch
+    items = [getattr(batchnorm, ("transpose" if name == "transpose_last_two" else name)
+                     + "_item") for name in _launch.LAUNCHERS]
+    names = [_launch._worker(item).__qualname__ for item in items]
+    assert len(set(names)) == len(items)
+    for item, name in zip(items, names):
+        assert item.py_func.__name__ in name
+
+
+def test_cached_launchers_call_only_their_own_items_worker():
+    """Against the disk cache itself: every cached launcher's code names the worker of its
+    own item, and no other (run after a call that loads or compiles two launchers whose
+    items take the same argument types: the fused and fused_short forwards)."""
+    import re
+
+    import numpy as np
+
+    import bngrad
+    from bngrad.kernels import _launch
+    rng = np.random.default_rng(0)
+    for shape in ((2, 16, 16, 16), (2, 32, 7, 7)):  # the fused path, then fused_short
+        bngrad.batch_norm_relu_forward(rng.standard_normal(shape, dtype=np.float32),
+                                       num_threads=2)
+    checked = 0
+    for name in _launch.LAUNCHERS:
+        dispatcher = getattr(_launch, "_" + name)
+        cache_file = dispatcher._cache._cache_file
+        folder = os.path.dirname(cache_file._index_path)
+        own = ("transpose" if name == "transpose_last_two" else name) + "_item_worker"
+        for entry in cache_file._load_index().values():  # this source's entries only
+            with open(os.path.join(folder, entry), "rb") as f:
+                workers = set(re.findall(rb"_launch7_worker12_3clocals_3e\d+(\w+?_worker)B",
+                                         f.read()))
+            assert workers == {own.encode()}, (entry, workers)
+            checked += 1
+    assert checked >= 2

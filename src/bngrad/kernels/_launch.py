@@ -87,10 +87,20 @@ _CHUNKS_PER_THREAD = 8
 
 
 def _worker(item: Callable) -> Callable:
-    """``worker(lo, hi, args)``: items lo..hi-1 of ``item`` (compiled inside the launcher)."""
+    """``worker(lo, hi, args)``: items lo..hi-1 of ``item`` (compiled inside the launcher),
+    named after the item.
+
+    Numba names a compiled function by its qualified name, its argument types and a counter of
+    the process that compiled it, and links functions of one name as one. Every item's worker
+    has the same code: under one name, two items with the same argument types, compiled in
+    two processes whose counters agreed, left two different functions of one name in the disk
+    cache, and a process that loaded both ran the first item's worker for the second (the
+    ``fused_short`` forward running the ``fused`` forward's items: channels left unwritten,
+    found 2026-12-04). Named after the item, each worker's name is its own."""
     def worker(lo, hi, args):
         for i in range(lo, hi):
             item(i, *args)
+    worker.__qualname__ = f"_worker.<locals>.{item.py_func.__name__}_worker"
     return worker
 
 
