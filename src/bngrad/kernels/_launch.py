@@ -86,7 +86,7 @@ LAUNCHERS = ("reduce_runs", "reduce_short", "reduce_lanes", "elementwise_runs",
 _CHUNKS_PER_THREAD = 8
 
 
-def _worker(item: Callable) -> Callable:
+def _worker(item: Any) -> Callable:
     """``worker(lo, hi, args)``: items lo..hi-1 of ``item`` (compiled inside the launcher),
     named after the item.
 
