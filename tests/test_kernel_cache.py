@@ -111,13 +111,17 @@ def test_a_save_waits_for_another_process_holding_the_lock(tmp_path):
     assert cache_file.load("first") == b"one" and cache_file.load("second") == b"two"
 
 
+def _item_name(launcher: str) -> str:
+    """The kernels.batchnorm item a launcher of kernels._launch.LAUNCHERS runs."""
+    return ("transpose" if launcher == "transpose_last_two" else launcher) + "_item"
+
+
 def test_each_items_worker_has_a_name_of_its_own():
     """Numba names a compiled function by its qualified name, argument types and a per-process
     counter, and links functions of one name as one: workers sharing one name let a process
     that loaded two cached launchers run one item's worker for another's (kernels._launch)."""
     from bngrad.kernels import _launch
-    items = [getattr(batchnorm, ("transpose" if name == "transpose_last_two" else name)
-                     + "_item") for name in _launch.LAUNCHERS]
+    items = [getattr(batchnorm, _item_name(name)) for name in _launch.LAUNCHERS]
     names = [_launch._worker(item).__qualname__ for item in items]
     assert len(set(names)) == len(items)
     for item, name in zip(items, names):
@@ -143,7 +147,7 @@ def test_cached_launchers_call_only_their_own_items_worker():
         dispatcher = getattr(_launch, "_" + name)
         cache_file = dispatcher._cache._cache_file
         folder = os.path.dirname(cache_file._index_path)
-        own = ("transpose" if name == "transpose_last_two" else name) + "_item_worker"
+        own = _item_name(name) + "_worker"
         for entry in cache_file._load_index().values():  # this source's entries only
             with open(os.path.join(folder, entry), "rb") as f:
                 workers = set(re.findall(rb"_launch7_worker12_3clocals_3e\d+(\w+?_worker)B",
