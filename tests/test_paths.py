@@ -127,24 +127,31 @@ def test_wide_rows_of_short_runs_take_the_short_kernels(variant, mode):
                          ids=["runs", "short"])
 @pytest.mark.parametrize("grid", GRIDS[:2], ids=[g[0] for g in GRIDS[:2]])
 def test_fused_and_two_phase_give_the_same_bits(grid, pair, variant):
-    """The only choice that depends on the thread count must not change a bit; fused_short's
-    groups (of any size) neither. Backward and training forward (plain, with running
-    statistics; and the fused ReLU's with a side input and mask bits)."""
-    c = make_case(grid[1], 1, variant, "train-nostats", layouts=("contig", "contig"), seed=11)
-    results = {}
-    for path, overrides in [(pair[0], {}), (pair[0], dict(fused_group_elements=1)),
-                            (pair[1], {})]:
-        with _on_path(grid, path), kernels.override(**overrides):
+    """The only choice that depends on the thread count must not change a bit; the fused
+    items' groups of channels (of any size) neither. Backward and training forward (plain,
+    with running statistics; and the fused ReLU's with a side input and mask bits)."""
+    A, _, B = grid[1]
+    shape = (A, 12, B)  # 12 channels: fused in groups of 5, 5 and 2, or of one
+    groups = {5: dict(fused_channels_per_thread=1, fused_group_elements=5 * A * B,
+                      fused_runs_group_bytes=40 * A * B, l3_bytes=1 << 40),
+              1: dict(fused_group_elements=1, fused_runs_group_bytes=1)}
+    c = make_case(shape, 1, variant, "train-nostats", layouts=("contig", "contig"), seed=11)
+    results = []
+    for path, group in [(pair[0], 5), (pair[0], 1), (pair[1], None)]:
+        with _on_path(grid, path), kernels.override(**groups.get(group, {})):
+            if group:
+                explained = bngrad.explain(c.input, num_threads=2)
+                assert f"fused in {-(-12 // group)} groups of {group}" in explained, explained
             stats = (np.zeros_like(c.weight), np.ones_like(c.weight))
-            results.setdefault(path, []).append(
+            results.append(
                 bngrad.batch_norm_backward(*c.args(), num_threads=2)
                 + bngrad.batch_norm_forward(c.input, c.weight, c.weight, *stats, num_threads=2)
                 + stats
                 + bngrad.batch_norm_relu_forward(c.input, c.weight, c.weight,
                                                  side_input=c.grad_out, num_threads=2))
-    fused, fused_in_groups_of_one, two_phase = results[pair[0]] + results[pair[1]]
-    for i, (a, b, t) in enumerate(zip(fused, fused_in_groups_of_one, two_phase)):
-        assert_bitwise_equal(a, t, f"output {i}")
+    fused_in_groups, fused_in_groups_of_one, two_phase = results
+    for i, (a, b, t) in enumerate(zip(fused_in_groups, fused_in_groups_of_one, two_phase)):
+        assert_bitwise_equal(a, t, f"output {i} (groups of 5 channels)")
         assert_bitwise_equal(b, t, f"output {i} (groups of one channel)")
 
 
@@ -245,9 +252,20 @@ def test_fused_short_groups():
     assert _plan._plan((4096, 8, 49), 1, cfg, None).fused_group == 1
 
 
-def test_l2_cache_size_from_sysfs(tmp_path):
-    """fused_group_elements' default comes from the L2 size the OS reports (or 1 MiB), up to
-    1 MiB of float32 x and dy."""
+def test_fused_groups():
+    """fused: about fused_runs_group_bytes of float32 x and dy per group, all threads' groups
+    in at most a quarter of the L3 cache, and fused_channels_per_thread groups per thread
+    where the channels allow."""
+    cfg = kernels.Config(fused_runs_group_bytes=4 << 20, l3_bytes=32 << 20)
+    assert _plan._plan((32, 512, 784), 2, cfg, None).fused_group == 20  # (4 MiB / 8) // 25088
+    assert _plan._plan((32, 512, 784), 4, cfg, None).fused_group == 10  # L3 / 16 = 2 MiB
+    assert _plan._plan((32, 64, 12544), 2, cfg, None).fused_group == 1
+    assert _plan._plan((64, 32, 1024), 2, cfg, None).fused_group == 4  # 32 / (4 * 2)
+
+
+def test_cache_sizes_from_sysfs(tmp_path):
+    """The fused groups' defaults come from the L2 and L3 sizes the OS reports (else 1 MiB
+    and 16 MiB); fused_short's, up to 1 MiB of float32 x and dy."""
     caches = [("1", "Data", "48K"), ("1", "Instruction", "32K"), ("2", "Unified", "1280K"),
               ("3", "Unified", "32M")]
     for index, (level, kind, size) in enumerate(caches):
@@ -255,9 +273,12 @@ def test_l2_cache_size_from_sysfs(tmp_path):
         folder.mkdir()
         for name, text in (("level", level), ("type", kind), ("size", size)):
             (folder / name).write_text(text + "\n")
-    assert _plan.l2_cache_bytes(str(tmp_path)) == 1280 << 10
-    assert _plan.l2_cache_bytes(str(tmp_path / "missing"), default=12345) == 12345
-    assert kernels.Config().fused_group_elements == min(_plan.l2_cache_bytes() // 8, 1 << 17)
+    assert _plan.cache_bytes(2, str(tmp_path)) == 1280 << 10
+    assert _plan.cache_bytes(3, str(tmp_path)) == 32 << 20
+    assert _plan.cache_bytes(2, str(tmp_path / "missing"), default=12345) == 12345
+    assert kernels.Config().fused_group_elements == min(_plan.cache_bytes(2) // 8, 1 << 17)
+    assert kernels.Config().fused_runs_group_bytes == 4 * _plan.cache_bytes(2)
+    assert kernels.Config().l3_bytes == _plan.cache_bytes(3, default=1 << 24)
 
 
 def test_natural_paths_and_explain():

@@ -401,12 +401,12 @@ def forward_train(plan: KernelPlan, x, out, weight, bias, eps, count, dtype, z=N
     coef = np.empty((4, C), dtype=dtype)
     mean, var, invstd = np.empty(C), np.empty(C), np.empty(C)
     two_pass = x.dtype == np.float64  # (bngrad.api._moments)
-    if plan.path == "fused":  # an item per channel
-        launcher(plan.serial, C).forward_fused(C, x, z, out, aux, two_pass, weight, bias,
+    n = _ceil_div(C, plan.fused_group)  # an item per group of channels
+    if plan.path == "fused":
+        launcher(plan.serial, n).forward_fused(n, x, z, out, aux, two_pass, weight, bias,
                                                float(eps), float(count), plan.rows, plan.seg,
-                                               mean, var, invstd, coef)
-    else:  # an item per group of channels
-        n = _ceil_div(C, plan.fused_group)
+                                               plan.fused_group, mean, var, invstd, coef)
+    else:
         launcher(plan.serial, n).forward_fused_short(n, x, z, out, aux, two_pass, weight, bias,
                                                      float(eps), float(count), plan.rows,
                                                      plan.fused_group, mean, var, invstd, coef)
@@ -458,12 +458,12 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
         C = x.shape[1]
         sum_dy, sum_dy_xmu = np.empty(C), np.empty(C)
         coef = np.empty((4, C), dtype=dtype)
-        if plan.path == "fused":  # an item per channel
-            launcher(plan.serial, C).backward_fused(C, x, dy, y, out, aux, mean, invstd, weight,
-                                                    float(count), plan.rows, plan.seg, sum_dy,
-                                                    sum_dy_xmu, coef)
-        else:  # an item per group of channels
-            n = _ceil_div(C, plan.fused_group)
+        n = _ceil_div(C, plan.fused_group)  # an item per group of channels
+        if plan.path == "fused":
+            launcher(plan.serial, n).backward_fused(n, x, dy, y, out, aux, mean, invstd, weight,
+                                                    float(count), plan.rows, plan.seg,
+                                                    plan.fused_group, sum_dy, sum_dy_xmu, coef)
+        else:
             launcher(plan.serial, n).backward_fused_short(
                 n, x, dy, y, out, aux, mean, invstd, weight, float(count), plan.rows,
                 plan.fused_group, plan.span_loop, sum_dy, sum_dy_xmu, coef)

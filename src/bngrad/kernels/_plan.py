@@ -13,8 +13,9 @@ cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with example
   channels (about ``fused_group_elements`` elements) and write it while it is in cache, if
   ``C >= fused_channels_per_thread * threads`` and ``A <= fused_short_max_rows``;
 - ``runs``: longer runs, an item per tile (reductions) or run segment (elementwise);
-- ``fused``: as ``runs``, but the training backward and forward reduce a channel and write it
-  while it is in cache, if ``C >= fused_channels_per_thread * threads``.
+- ``fused``: as ``runs``, but the training backward and forward reduce a group of channels
+  (about ``fused_runs_group_bytes`` of x and dy, read a row at a time) and write it while it
+  is in cache, if ``C >= fused_channels_per_thread * threads``.
 
 ``fused`` and ``runs`` share tiles and order (kernels.batchnorm), as do ``fused_short`` and
 ``short``, so the one choice that depends on the thread count (to fuse or not) gives the same
@@ -40,16 +41,17 @@ from .._threads import current_num_threads
 PATHS = ("lanes", "short", "fused_short", "runs", "fused")
 
 
-def l2_cache_bytes(root: str = "/sys/devices/system/cpu/cpu0/cache",
-                   default: int = 1 << 20) -> int:
-    """The first CPU's level-2 (data or unified) cache size, from Linux's sysfs; ``default``
-    where it cannot be read (another OS, a container hiding it)."""
+def cache_bytes(level: int, root: str = "/sys/devices/system/cpu/cpu0/cache",
+                default: int = 1 << 20) -> int:
+    """The first CPU's data or unified cache of ``level`` (its size as the OS reports it; a
+    level-3 cache is shared), from Linux's sysfs; ``default`` where it cannot be read (another
+    OS, a container hiding it)."""
     def read(index: str, name: str) -> str:
         with open(os.path.join(root, index, name)) as f:
             return f.read().strip()
     try:
         for index in sorted(os.listdir(root)):
-            if read(index, "level") == "2" and read(index, "type") in ("Data", "Unified"):
+            if read(index, "level") == str(level) and read(index, "type") in ("Data", "Unified"):
                 size = read(index, "size")  # e.g. "1024K"
                 scale = {"K": 1 << 10, "M": 1 << 20}.get(size[-1:], 1)
                 return int(size.rstrip("KM")) * scale
@@ -83,7 +85,13 @@ class Config:
     fused_channels_per_thread: int = 4  # fewer channels per thread leave threads idle: no fusing
     # elements of x per fused_short item: its float32 x and dy fill the L2 cache (one core's),
     # up to 1 MiB of them (a 2 MiB L2 filled ran 15-20% slower: docs/internals.md)
-    fused_group_elements: int = min(l2_cache_bytes() // 8, 1 << 17)
+    fused_group_elements: int = min(cache_bytes(2) // 8, 1 << 17)
+    # bytes of x and dy per fused item (a group of whole channels; float32: 8 per element):
+    # four L2 caches' worth, which the item's second pass reads from the L3 cache, the groups
+    # of all threads taking at most a quarter of it (_plan). Runs of a few KiB a channel at a
+    # time, each a sample's stride from the last, ran 30-40% slower (docs/internals.md)
+    fused_runs_group_bytes: int = 4 * cache_bytes(2)
+    l3_bytes: int = cache_bytes(3, default=1 << 24)
     # and at most this many rows: a group's rows lie a sample apart in memory, and more of them
     # conflict in the cache before the group is written (docs/internals.md)
     fused_short_max_rows: int = 64
@@ -181,7 +189,7 @@ class LanePiece:
 class KernelPlan:
     """The path and tiles for one canonical array shape. Channels-first: reduction tiles of
     ``rows`` rows x ``seg`` elements of a run (elementwise ``runs`` items: one segment),
-    ``short`` items of ``group`` channels, ``fused_short``'s training backward items of
+    ``short`` items of ``group`` channels, ``fused`` and ``fused_short``'s training items of
     ``fused_group`` channels. ``lanes``: the pieces of each pass."""
 
     path: str
@@ -235,8 +243,10 @@ class KernelPlan:
             return (f"{head}, {self.blocks} row blocks of {self.rows}, "
                     f"{_ceil_div(self.shape[1], self.group)} groups of {self.group} channels"
                     f"{fused}{lanes})")
+        fused = (f", fused in {_ceil_div(self.shape[1], self.fused_group)} groups of "
+                 f"{self.fused_group}" if self.path == "fused" else "")
         return (f"{head}, tiles of {self.rows} rows x {self.seg} elements, "
-                f"{self.blocks} x {self.segments} per channel)")
+                f"{self.blocks} x {self.segments} per channel{fused})")
 
 
 def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bool,
@@ -304,9 +314,12 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     fuses = C >= cfg.fused_channels_per_thread * threads
     path = forced or (("fused_short" if fuses and A <= cfg.fused_short_max_rows else "short")
                       if B < cfg.fused_min_run else "fused" if fuses else "runs")
-    # fused_short: groups of about fused_group_elements, and at least fused_channels_per_thread
-    # groups per thread where there are channels enough (which group cannot change a bit)
-    fused_group = max(1, min(cfg.fused_group_elements // max(A * B, 1),
+    # fused items: groups of about fused_group_elements (fused_short) or fused_runs_group_bytes
+    # (fused) elements, and at least fused_channels_per_thread groups per thread where there
+    # are channels enough (which group cannot change a bit)
+    group_elements = (cfg.fused_group_elements if B < cfg.fused_min_run else
+                      min(cfg.fused_runs_group_bytes, cfg.l3_bytes // (4 * threads)) // 8)
+    fused_group = max(1, min(group_elements // max(A * B, 1),
                              _ceil_div(C, cfg.fused_channels_per_thread * threads)))
     elemt_as_lanes = path in ("short", "fused_short") and B < cfg.short_run
     return KernelPlan(path, shape, threads, forced is not None, serial, rows=rows, seg=seg,

@@ -536,44 +536,77 @@ def combine_channels_first(partial, sum_dy, sum_dy_xmu):
 
 
 @njit(**_JIT)
-def backward_fused_item(c, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg,
-                        sum_dy, sum_dy_xmu, coef):
-    """Training backward of channel c: reduce it, then apply while it is in cache."""
-    A, _, B = x.shape
-    m = mean[c]
-    sd, sx = _channel_sums(x, dy, y, m, None, c, rows, seg, (A + rows - 1) // rows,
-                           (B + seg - 1) // seg, None)
-    sum_dy[c], sum_dy_xmu[c] = sd, sx
-    _train_coefficients(sd, sx, invstd[c], weight[c], count, m, coef, c)
-    C, ys = x.shape[1], _with_scratch(y, B)
-    for r in range(A):
-        _map(x[r, c], dy[r, c], _relu_record(ys, (r, c), (r * C + c) * B, B, 0), None,
-             out[r, c], take(aux, (r, c)),
-             coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c], coef[MEAN, c])
+def _runs_group_sums(x, dy, y, m, shift, c0, c1, rows, seg, sd, sx):
+    """(sd[i], sx[i]) = channel c0+i's (sum dy', sum dy'*(x - m[i])), dy' = dy - shift[i]
+    (``shift``: None, or per channel as ``m``), for channels c0..c1-1: each channel's tiles,
+    rows and order as _channel_sums (the same bits), but the group's runs read row by row,
+    where they lie next to each other in memory: runs of a few KiB, a channel at a time,
+    are each a stride away from the last, which the prefetchers follow badly."""
+    A, C, B = x.shape
+    n = c1 - c0
+    td, tx = np.empty(n), np.empty(n)
+    sd[:] = 0.0
+    sx[:] = 0.0
+    ys = _with_scratch(y, min(B, seg))
+    for j in range((A + rows - 1) // rows):
+        for s in range((B + seg - 1) // seg):
+            b0, b1 = s * seg, min(B, s * seg + seg)
+            td[:] = 0.0
+            tx[:] = 0.0
+            for a in range(j * rows, min(A, j * rows + rows)):
+                for i in range(n):
+                    run = (a, c0 + i, slice(b0, b1))
+                    p, q = _run_sums(x[run], take(dy, run),
+                                     _relu_record(ys, run, (a * C + c0 + i) * B + b0, b1 - b0,
+                                                  0), m[i], take(shift, i))
+                    td[i] += p
+                    tx[i] += q
+            for i in range(n):
+                sd[i] += td[i]
+                sx[i] += tx[i]
 
 
 @njit(**_JIT)
-def forward_fused_item(c, x, z, out, aux, two_pass, weight, bias, eps, count, rows, seg, mean,
-                       var, invstd, coef):
-    """Training forward of channel c while it is in cache: its moments, shifted by the
-    channel's first element or, ``two_pass`` (float64 data), by the mean of a first pass (the
-    corrected two-pass algorithm), then the output; the same tiles, order and arithmetic as
-    the two-phase reductions and bngrad.api's moments and normalize."""
-    A, _, B = x.shape
-    n_blocks, n_segs = (A + rows - 1) // rows, (B + seg - 1) // seg
+def backward_fused_item(g, x, dy, y, out, aux, mean, invstd, weight, count, rows, seg, group,
+                        sum_dy, sum_dy_xmu, coef):
+    """Training backward of group g of channels: reduce them, then apply while they are in
+    cache."""
+    A, C, B = x.shape
+    c0, c1 = g * group, min(C, g * group + group)
+    _runs_group_sums(x, dy, y, mean[c0:c1], None, c0, c1, rows, seg, sum_dy[c0:c1],
+                     sum_dy_xmu[c0:c1])
+    for c in range(c0, c1):
+        _train_coefficients(sum_dy[c], sum_dy_xmu[c], invstd[c], weight[c], count, mean[c],
+                            coef, c)
+    ys = _with_scratch(y, B)
+    for a in range(A):
+        _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, aux, coef)
+
+
+@njit(**_JIT)
+def forward_fused_item(g, x, z, out, aux, two_pass, weight, bias, eps, count, rows, seg, group,
+                       mean, var, invstd, coef):
+    """Training forward of group g of channels while it is in cache: their moments, shifted
+    by each channel's first element or, ``two_pass`` (float64 data), by the mean of a first
+    pass (the corrected two-pass algorithm), then the output; the same tiles, order and
+    arithmetic as the two-phase reductions and bngrad.api's moments and normalize."""
+    A, C, B = x.shape
+    c0, c1 = g * group, min(C, g * group + group)
+    n = c1 - c0
+    sd, sx, shift = np.empty(n), np.empty(n), np.zeros(n)
     if two_pass:
-        s = _finite(_channel_sums(x, None, None, 0.0, 0.0, c, rows, seg, n_blocks, n_segs,
-                                  None)[0] / count)
+        _runs_group_sums(x, None, None, shift, shift, c0, c1, rows, seg, sd, sx)
+        for i in range(n):
+            shift[i] = _finite(sd[i] / count)
     else:
-        s = _finite(np.float64(to_float(x[0, c, 0])))
-    sd, sx = _channel_sums(x, None, None, s, s, c, rows, seg, n_blocks, n_segs, None)
-    _finish_moment(c, s, sd, sx, count, mean, var)
-    _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
-    C = x.shape[1]
-    for r in range(A):
-        _map(x[r, c], None, None, take(z, (r, c)), out[r, c], _mask_part(aux, (r, c)),
-             coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
-        _flush(aux, out, (r * C + c) * B, B)
+        for i in range(n):
+            shift[i] = _finite(np.float64(to_float(x[0, c0 + i, 0])))
+    _runs_group_sums(x, None, None, shift, shift, c0, c1, rows, seg, sd, sx)
+    for c in range(c0, c1):
+        _finish_moment(c, shift[c - c0], sd[c - c0], sx[c - c0], count, mean, var)
+        _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
+    for a in range(A):
+        _map_runs(a, c0, c1, 0, B, x, None, None, z, out, aux, coef)
 
 
 @njit(inline="always", **_JIT)
