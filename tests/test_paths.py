@@ -129,7 +129,8 @@ def test_wide_rows_of_short_runs_take_the_short_kernels(variant, mode):
 def test_fused_and_two_phase_give_the_same_bits(grid, pair, variant):
     """The only choice that depends on the thread count must not change a bit; the fused
     items' groups of channels (of any size) neither. Backward and training forward (plain,
-    with running statistics; and the fused ReLU's with a side input and mask bits)."""
+    with running statistics; and the fused ReLU's with a side input and mask bits, and its
+    backward given those bits or the output)."""
     A, _, B = grid[1]
     shape = (A, 12, B)  # 12 channels: fused in groups of 5, 5 and 2, or of one
     groups = {5: dict(fused_channels_per_thread=1, fused_group_elements=5 * A * B,
@@ -143,12 +144,17 @@ def test_fused_and_two_phase_give_the_same_bits(grid, pair, variant):
                 explained = bngrad.explain(c.input, num_threads=2)
                 assert f"fused in {-(-12 // group)} groups of {group}" in explained, explained
             stats = (np.zeros_like(c.weight), np.ones_like(c.weight))
+            relu = bngrad.batch_norm_relu_forward(c.input, c.weight, c.weight,
+                                                  side_input=c.grad_out, num_threads=2)
+            y, mean, invstd, bits = relu
             results.append(
                 bngrad.batch_norm_backward(*c.args(), num_threads=2)
                 + bngrad.batch_norm_forward(c.input, c.weight, c.weight, *stats, num_threads=2)
-                + stats
-                + bngrad.batch_norm_relu_forward(c.input, c.weight, c.weight,
-                                                 side_input=c.grad_out, num_threads=2))
+                + stats + relu
+                + bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
+                                                  mean, invstd, relu_mask=bits, num_threads=2)
+                + bngrad.batch_norm_relu_backward(c.grad_out, c.input, c.weight, None, None,
+                                                  mean, invstd, output=y, num_threads=2))
     fused_in_groups, fused_in_groups_of_one, two_phase = results
     for i, (a, b, t) in enumerate(zip(fused_in_groups, fused_in_groups_of_one, two_phase)):
         assert_bitwise_equal(a, t, f"output {i} (groups of 5 channels)")
