@@ -314,10 +314,11 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     fuses = C >= cfg.fused_channels_per_thread * threads
     path = forced or (("fused_short" if fuses and A <= cfg.fused_short_max_rows else "short")
                       if B < cfg.fused_min_run else "fused" if fuses else "runs")
-    # fused items: groups of about fused_group_elements (fused_short) or fused_runs_group_bytes
-    # (fused) elements, and at least fused_channels_per_thread groups per thread where there
-    # are channels enough (which group cannot change a bit)
-    group_elements = (cfg.fused_group_elements if B < cfg.fused_min_run else
+    # fused items: groups of about fused_group_elements elements (fused_short), or of
+    # fused_runs_group_bytes of float32 x and dy (fused), and at least
+    # fused_channels_per_thread groups per thread where there are channels enough (which group
+    # cannot change a bit)
+    group_elements = (cfg.fused_group_elements if path in ("short", "fused_short") else
                       min(cfg.fused_runs_group_bytes, cfg.l3_bytes // (4 * threads)) // 8)
     fused_group = max(1, min(group_elements // max(A * B, 1),
                              _ceil_div(C, cfg.fused_channels_per_thread * threads)))
