@@ -579,8 +579,11 @@ def backward_fused_item(g, x, dy, y, out, aux, mean, invstd, weight, count, rows
         _train_coefficients(sum_dy[c], sum_dy_xmu[c], invstd[c], weight[c], count, mean[c],
                             coef, c)
     ys = _with_scratch(y, B)
-    for a in range(A):
-        _map_runs(a, c0, c1, 0, B, x, dy, ys, None, out, aux, coef)
+    for a in range(A):  # (_map, not _map_runs: one inlined loop, a third less to compile)
+        for c in range(c0, c1):
+            _map(x[a, c], dy[a, c], _relu_record(ys, (a, c), (a * C + c) * B, B, 0), None,
+                 out[a, c], take(aux, (a, c)),
+                 coef[SCALE, c], coef[PROJ, c], coef[GRAD_MEAN, c], coef[MEAN, c])
 
 
 @njit(**_JIT)
@@ -606,7 +609,10 @@ def forward_fused_item(g, x, z, out, aux, two_pass, weight, bias, eps, count, ro
         _finish_moment(c, shift[c - c0], sd[c - c0], sx[c - c0], count, mean, var)
         _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
     for a in range(A):
-        _map_runs(a, c0, c1, 0, B, x, None, None, z, out, aux, coef)
+        for c in range(c0, c1):
+            _map(x[a, c], None, None, take(z, (a, c)), out[a, c], _mask_part(aux, (a, c)),
+                 coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
+        _flush(aux, out, (a * C + c0) * B, (c1 - c0) * B)
 
 
 @njit(inline="always", **_JIT)
@@ -770,7 +776,10 @@ def forward_fused_short_item(g, x, z, out, aux, two_pass, weight, bias, eps, cou
         _finish_moment(c, shift[c], sd[c - c0], sx[c - c0], count, mean, var)
         _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
     for a in range(A):
-        _map_runs(a, c0, c1, 0, B, x, None, None, z, out, aux, coef)
+        for c in range(c0, c1):
+            _map(x[a, c], None, None, take(z, (a, c)), out[a, c], _mask_part(aux, (a, c)),
+                 coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
+        _flush(aux, out, (a * C + c0) * B, (c1 - c0) * B)
 
 
 @njit(**_JIT)
