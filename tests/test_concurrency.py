@@ -586,6 +586,42 @@ def test_signal_handlers_calling_during_a_process_first_call():
     assert code == 0 and output.strip().endswith("ok"), output[-2000:]
 
 
+def test_deferred_signals_survive_a_handler_that_compiles_while_they_are_swapped(monkeypatch):
+    """(Found by the test above, in one fresh-clone CI run: a KeyError in on_end.) A handler
+    that runs while bngrad._threads' deferral swaps the handlers in and calls bngrad (a nested
+    compile: a nested start and end of the compiler lock) must leave every handler as it was
+    afterwards, and the signals recorded meanwhile must reach their handlers. Before the fix
+    the nested end restored and emptied the replaced handlers midway: one handler stayed
+    replaced for good and its recorded signal had none."""
+    from bngrad import _threads
+    defer, seen = _threads._DeferSignals(), []
+
+    def handler(signum, frame):
+        seen.append(signum)
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGALRM)}
+    swap, nested = signal.signal, []
+
+    def swap_after_a_nested_compile(signum, new):  # the first swap: a handler runs, compiling
+        if not nested:
+            nested.append(signum)
+            defer.on_start(None)
+            defer.on_end(None)
+        return swap(signum, new)
+    try:
+        monkeypatch.setattr(_threads.signal, "signal", swap_after_a_nested_compile)
+        defer.on_start(None)
+        monkeypatch.setattr(_threads.signal, "signal", swap)
+        assert nested and all(signal.getsignal(s) == defer._record for s in previous)
+        for s in previous:  # signals arriving during the compile
+            defer._record(s, None)
+        defer.on_end(None)
+        assert all(signal.getsignal(s) is handler for s in previous)
+        assert sorted(seen) == sorted(previous)
+    finally:
+        for s, h in previous.items():
+            swap(s, h)
+
+
 _INTERRUPTS_DURING_FIRST_CALLS_SCRIPT = r"""
 import os, signal, threading, time
 import numpy as np, bngrad

@@ -243,18 +243,23 @@ class _DeferSignals(_numba_event.Listener):
     def on_start(self, event: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        if self._depth == 0:
-            self._pending = []
-            try:  # (a signal arriving now goes to its own handler, which may raise)
+        # Counted first: a signal arriving while the handlers are swapped goes to its own
+        # handler, which may call bngrad, which compiles: that nested start and its end must
+        # see a deferral in progress, not begin and end one of their own (which emptied the
+        # replaced handlers midway, left the recorder installed for good and lost the signals
+        # it recorded: a KeyError in on_end, found by tests/test_concurrency.py's signals).
+        self._depth += 1
+        if self._depth == 1:
+            try:
                 for signum in _HANDLED_SIGNALS:
                     handler = signal.getsignal(signum)
                     if callable(handler) and handler != self._record:
                         self._handlers[signum] = handler
                         signal.signal(signum, self._record)
             except BaseException:
+                self._depth -= 1
                 self._restore()
                 raise
-        self._depth += 1
 
     def on_end(self, event: Any) -> None:
         if threading.current_thread() is not threading.main_thread() or self._depth == 0:
@@ -262,9 +267,13 @@ class _DeferSignals(_numba_event.Listener):
         self._depth -= 1
         if self._depth == 0:
             handlers = self._restore()
+            # (taken after the restore: signals recorded until then are delivered here; a
+            # nested deferral started by a handler meanwhile delivers what it finds itself)
             pending, self._pending = self._pending, []
             for signum in pending:  # (Python's default SIGINT handler raises KeyboardInterrupt)
-                handlers[signum](signum, None)
+                handler = handlers.get(signum, signal.getsignal(signum))
+                if callable(handler) and handler != self._record:
+                    handler(signum, None)
 
     def _restore(self) -> dict[int, Any]:
         """Put the replaced handlers back (all of them, even if one that is back already
