@@ -593,7 +593,7 @@ def forward_fused_item(g, x, z, out, aux, two_pass, weight, bias, eps, count, ro
     by each channel's first element or, ``two_pass`` (float64 data), by the mean of a first
     pass (the corrected two-pass algorithm), then the output; the same tiles, order and
     arithmetic as the two-phase reductions and bngrad.api's moments and normalize."""
-    A, C, B = x.shape
+    C = x.shape[1]
     c0, c1 = g * group, min(C, g * group + group)
     n = c1 - c0
     sd, sx, shift = np.empty(n), np.empty(n), np.zeros(n)
@@ -605,6 +605,17 @@ def forward_fused_item(g, x, z, out, aux, two_pass, weight, bias, eps, count, ro
         for i in range(n):
             shift[i] = _finite(np.float64(to_float(x[0, c0 + i, 0])))
     _runs_group_sums(x, None, None, shift, shift, c0, c1, rows, seg, sd, sx)
+    _normalize_group(x, z, out, aux, c0, c1, shift, sd, sx, count, eps, weight, bias, mean, var,
+                     invstd, coef)
+
+
+@njit(**_JIT)
+def _normalize_group(x, z, out, aux, c0, c1, shift, sd, sx, count, eps, weight, bias, mean, var,
+                     invstd, coef):
+    """The end of a fused training forward item, for channels c0..c1-1 (``shift``, ``sd``,
+    ``sx``: theirs, from index 0): their moments and coefficients, then the normalize pass a
+    row at a time, each row's mask bits packed once for the group's span (contiguous)."""
+    A, C, B = x.shape
     for c in range(c0, c1):
         _finish_moment(c, shift[c - c0], sd[c - c0], sx[c - c0], count, mean, var)
         _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
@@ -772,14 +783,8 @@ def forward_fused_short_item(g, x, z, out, aux, two_pass, weight, bias, eps, cou
     for c in range(c0, c1):
         shift[c] = _finite(shift[c])
     sd, sx = _group_sums(x2, None, None, B, shift, shift, rows, c0, c1)
-    for c in range(c0, c1):
-        _finish_moment(c, shift[c], sd[c - c0], sx[c - c0], count, mean, var)
-        _normalize_coefficient(c, mean, var, eps, weight, bias, invstd, coef)
-    for a in range(A):
-        for c in range(c0, c1):
-            _map(x[a, c], None, None, take(z, (a, c)), out[a, c], _mask_part(aux, (a, c)),
-                 coef[SCALE, c], None, coef[BIAS, c], coef[MEAN, c])
-        _flush(aux, out, (a * C + c0) * B, (c1 - c0) * B)
+    _normalize_group(x, z, out, aux, c0, c1, shift[c0:c1], sd, sx, count, eps, weight, bias,
+                     mean, var, invstd, coef)
 
 
 @njit(**_JIT)
