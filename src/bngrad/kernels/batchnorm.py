@@ -713,11 +713,19 @@ def _short_block_sums(x2, d2, y2, B, lane_mean, lane_shift, r0, r1, c0, c1, sd, 
     psd, psx = np.zeros(n), np.zeros(n)
     _accumulate_rows(x2, d2, y2, r0, r1, c0 * B, c1 * B, lane_mean, lane_shift, psd, psx)
     for c in range(c1 - c0):
-        a = b = 0.0
-        for i in range(c * B, (c + 1) * B):
-            a += psd[i]
-            b += psx[i]
-        sd[c], sx[c] = a, b
+        sd[c], sx[c] = _lane_totals(psd[c * B:(c + 1) * B], psx[c * B:(c + 1) * B])
+
+
+@njit(fastmath={"reassoc"}, **_JIT)
+def _lane_totals(psd, psx):
+    """(sum psd, sum psx): a channel's lane sums added up, vectorised as _run_sums is (added
+    one after another, each waited for the last: a few rows of short runs spent half their
+    time here)."""
+    a = b = 0.0
+    for i in range(psd.shape[0]):
+        a += psd[i]
+        b += psx[i]
+    return a, b
 
 
 @njit(**_JIT)
