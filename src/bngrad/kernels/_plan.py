@@ -60,6 +60,15 @@ def cache_bytes(level: int, root: str = "/sys/devices/system/cpu/cpu0/cache",
     return default
 
 
+def compile_cpu() -> str:
+    """The CPU the kernels are compiled for, as LLVM names it ("znver4", "sapphirerapids",
+    ...): Numba's ``NUMBA_CPU_NAME`` where set, else the host's."""
+    from llvmlite import binding
+    from numba.core import config
+    name = config.CPU_NAME
+    return name if name and name != "host" else binding.get_host_cpu_name()
+
+
 @dataclass(frozen=True)
 class Config:
     """The tuning constants (why each value, and how to re-measure it: docs/internals.md)."""
@@ -96,11 +105,13 @@ class Config:
     # conflict in the cache before the group is written (docs/internals.md)
     fused_short_max_rows: int = 64
     # fused_short's training backward writes runs shorter than this in one loop over each
-    # row's span of the group, with per-lane coefficients, instead of run by run
-    span_runs_below: int = 64
+    # row's span of the group, with per-lane coefficients, instead of run by run: where that
+    # was measured to pay (an Intel Xeon), not on AMD's Zen cores, where it cost 10-15%
+    # (docs/internals.md)
+    span_runs_below: int = 0 if compile_cpu().startswith("znver") else 64
     # elements whose serial work costs about one parallel launch (waking the pool): smaller
     # calls run serially (runs_serial scales it by the threads; docs/internals.md)
-    serial_elements: int = 1 << 16
+    serial_elements: int = 1 << 15
     # an array that is not dense in the kernels' order (grad_out in another layout than input, a
     # sliced input) is copied whole if no larger, else this many bytes of rows at a time
     copy_chunk_bytes: int = 1 << 23
