@@ -136,6 +136,13 @@ def test_select_cases_filters_and_aliases():
     both = bench.select_cases("resnet50", ["fp32,bfloat16"], ["NCHW"])
     assert {c.dtype for c in both} == {"float32", "bfloat16"}
     assert len(both) == len(bench.RESNET50_SHAPES) * 2
+    # small layers, each map in both layouts, and 2-D ones; all below 2 MiB per array
+    small = bench.select_cases("small")
+    assert {(c.shape, c.layout) for c in small if len(c.shape) == 4} == {
+        (s, lay) for s in [(16, 128, 14, 14), (16, 512, 4, 4), (64, 64, 8, 8), (4, 256, 7, 7),
+                           (8, 64, 28, 28)] for lay in ("contiguous", "channels_last")}
+    assert any(len(c.shape) == 2 for c in small)
+    assert all(c.bytes_per_array < 2 << 20 for c in small)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -116,6 +116,17 @@ def _suite_quick() -> List[Case]:
     )
 
 
+# Small layers, where a call's fixed cost and its arithmetic in cache decide rather than memory:
+# small batches of ResNet maps (issue 12's three and two more) and a multilayer perceptron's.
+SMALL_SHAPES = [(16, 128, 14, 14), (16, 512, 4, 4), (64, 64, 8, 8), (4, 256, 7, 7),
+                (8, 64, 28, 28)]
+
+
+def _suite_small() -> List[Case]:
+    return (_cases(SMALL_SHAPES, ["float32"], CF_CL)
+            + _cases([(64, 512), (256, 1024), (1024, 128)], ["float32"], ["contiguous"]))
+
+
 def _suite_resnet50() -> List[Case]:
     return _cases([(32,) + s for s in RESNET50_SHAPES], ["float32", "bfloat16"], CF_CL)
 
@@ -125,6 +136,8 @@ SUITES: Dict[str, Tuple[Callable[[], List[Case]], int, str]] = {
     "quick": (_suite_quick, 5, "a handful of mid-sized cases, under a minute"),
     "default": (_suite_default, 7, "ResNet-50, 2-D, small-C, 3-D, half dtypes, mixed and "
                                    "sliced layouts"),
+    "small": (_suite_small, 7, "small layers (float32, 0.1-1.6 MiB), where a call's fixed cost "
+                               "and its arithmetic decide"),
     "resnet50": (_suite_resnet50, 5, "every ResNet-50 batch-norm shape at batch 32, NCHW and "
                                      "channels-last, float32 and bfloat16"),
 }
