@@ -306,3 +306,94 @@ def test_overflowing_squares_give_an_infinite_variance(n, path, threads):
     np.testing.assert_array_equal(y[:, 0], ref_y[:, 0])  # the bias, everywhere
     assert grad_w[0] == 0.0
     assert np.isfinite(y).all() and np.isfinite(invstd).all() and np.isfinite(grad_w).all()
+
+
+# --- results beyond a dtype's range: inf or NaN as PyTorch gives them, and no warning ----------
+# NumPy warns when a cast overflows or 0 x inf makes NaN; under -W error (or pytest's
+# filterwarnings=error) such a warning is raised instead of the result. The API never warns.
+
+def _no_warnings():
+    import warnings
+    context = warnings.catch_warnings()
+    context.__enter__()
+    warnings.simplefilter("error")
+    return context
+
+
+def test_float16_parameter_gradients_overflow_to_inf_without_a_warning():
+    """A float16 weight's gradients beyond 65504 (loss-scaled float16 training) are inf in
+    float16, as PyTorch's, through the NumPy API and bngrad.torch's module."""
+    import bngrad.torch as bt
+    x = np.full((64, 2, 32), 1.0, np.float16)
+    x[::2] = -1.0
+    g = np.full(x.shape, 60000.0, np.float16)
+    w, sm, si = np.ones(2, np.float16), np.zeros(2, np.float16), np.ones(2, np.float16)
+    want = torch.ops.aten.native_batch_norm_backward(
+        *(torch.from_numpy(a) for a in (g, x, w)), None, None, torch.from_numpy(sm),
+        torch.from_numpy(si), True, 1e-5, [True] * 3)
+    assert torch.isinf(want[2]).all()  # (the case is what it says)
+    context = _no_warnings()
+    try:
+        gx, gw, gb = bngrad.batch_norm_backward(g, x, w, save_mean=sm, save_invstd=si)
+        module = bt.BatchNorm2d(2).half()
+        xt = torch.from_numpy(x.reshape(64, 2, 4, 8)).requires_grad_()
+        module(xt).backward(torch.full((64, 2, 4, 8), 60000.0, dtype=torch.half))
+    finally:
+        context.__exit__(None, None, None)
+    assert gb.dtype == np.float16 and np.array_equal(gb, want[2].numpy())
+    assert np.array_equal(gw, want[1].numpy(), equal_nan=True)
+    assert module.bias.grad is not None and torch.isinf(module.bias.grad).all()
+
+
+def test_eval_with_zero_variance_and_eps_zero_without_a_warning():
+    """Eval, running_var 0 and eps 0: invstd inf, grad_weight 0 x inf = NaN, as PyTorch's."""
+    x = np.ones((4, 2, 3), np.float32)
+    rm, rv = np.ones(2, np.float32), np.zeros(2, np.float32)
+    want = torch.ops.aten.native_batch_norm_backward(
+        torch.from_numpy(x), torch.from_numpy(x), None, torch.from_numpy(rm),
+        torch.from_numpy(rv), None, None, False, 0.0, [True] * 3)
+    context = _no_warnings()
+    try:
+        got = bngrad.batch_norm_backward(x, x, None, rm, rv, train=False, eps=0.0)
+    finally:
+        context.__exit__(None, None, None)
+    for name, a, b in zip(("grad_input", "grad_weight", "grad_bias"), got, want):
+        assert np.array_equal(a, b.numpy(), equal_nan=True), name
+    assert np.isnan(got[1]).all()
+
+
+def test_sums_beyond_float32_and_float16_running_stats_without_a_warning():
+    """float32 data of magnitude 1e30: batch_norm_backward_reduce's sums and grad_weight leave
+    float32's range (inf); a float16 running variance above 65504 is inf (PyTorch's
+    native_batch_norm updates it so); the DSP API's float16 dbias beyond 65504 is inf."""
+    from bngrad import dsp
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((64, 3, 8)) * 1e30).astype(np.float32)
+    mean, invstd = np.zeros(3, np.float32), np.full(3, 1e-30, np.float32)
+    ref = reference.batch_norm_backward_reduce(x, x, mean, invstd)
+    xh = np.full((4, 3, 5), 60000, np.float16)
+    xh[::2] = -60000
+    rm, rv = np.zeros(3, np.float16), np.ones(3, np.float16)
+    rv_torch = torch.ones(3, dtype=torch.half)
+    torch.native_batch_norm(torch.from_numpy(xh), None, None, torch.zeros(3, dtype=torch.half),
+                            rv_torch, True, 0.1, 1e-5)
+    batch, channel = 64, 2
+    xd = np.full((batch, channel), 1.0, np.float16)
+    dyd = np.full((batch, channel), 60000.0, np.float16)
+    params = dsp.BatchNormGradParams(
+        np.zeros(channel, np.float16), np.ones(channel, np.float16),
+        np.ones(channel, np.float16), np.zeros(channel, np.float16),
+        np.zeros(channel, np.float16), batch=batch, channel=channel, is_train=True)
+    context = _no_warnings()
+    try:
+        sum_dy, sum_dy_xmu, gw, gb = bngrad.batch_norm_backward_reduce(x, x, mean, invstd)
+        bngrad.batch_norm_forward(xh, None, None, rm, rv, train=True)
+        dsp.hp_batch_norm_grad_s(xd, dyd, np.empty_like(xd), params.as_params())
+    finally:
+        context.__exit__(None, None, None)
+    # sum dy*(x - mean) ~5e62: inf in float32 (the reference keeps float64); grad_weight, that
+    # sum times invstd 1e-30, is in range again
+    assert ref[1].min() > np.finfo(np.float32).max and np.isposinf(sum_dy_xmu).all()
+    assert_close(gw, ref[2], gw.dtype, "grad_weight")
+    assert np.array_equal(rv, rv_torch.numpy()) and np.isinf(rv).all()
+    assert np.isinf(params.dbias).all()

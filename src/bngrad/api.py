@@ -98,8 +98,15 @@ def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Arr
     return grad_out, input, check.channel_axis(channel_axis, input.ndim)
 
 
-def _as_param_dtype(values: Optional[Array], dtype: np.dtype) -> Optional[Array]:
-    return None if values is None else values.astype(dtype)
+def _param_grads(sum_dy: Array, sum_dy_xmu: Array, invstd: Array, mask: Sequence[bool],
+                 dtype: np.dtype) -> tuple[Optional[Array], Optional[Array]]:
+    """(grad_weight, grad_bias) as ``mask[1:]`` asks, in the parameters' ``dtype``: inf where
+    they leave its range (a float16 weight's gradients under loss scaling), NaN for 0 x inf (an
+    infinite invstd), as PyTorch gives them, and without NumPy's warnings, which under ``-W
+    error`` would be raised instead of the result (the API never warns)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ((sum_dy_xmu * invstd).astype(dtype) if mask[1] else None,
+                sum_dy.astype(dtype) if mask[2] else None)
 
 
 def _direct(known: Optional[_calls.Known], threads: int, out: Optional[Array],
@@ -413,8 +420,7 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
             sum_dy, sum_dy_xmu = kernels.backward_train(
                 kernel, x, dy, out_kernel, save_mean.astype(np.float64), invstd, w, count,
                 spec.compute)
-        return (result, _as_param_dtype(sum_dy_xmu * invstd if mask[1] else None, out_dtype),
-                _as_param_dtype(sum_dy if mask[2] else None, out_dtype), None)
+        return (result, *_param_grads(sum_dy, sum_dy_xmu, invstd, mask, out_dtype), None)
     # A backward with grad_input copies what must be copied into grad_input's buffer
     # (bngrad._layout), but for an out= that may share memory with the ReLU's record (y, or its
     # mask), which must not be written before it is read.
@@ -475,10 +481,8 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     grad_weight = grad_bias = None
     if mask[1] or mask[2]:
         assert sums is not None  # every branch above takes the sums when these are asked for
-        grad_weight = sums[1] * invstd if mask[1] else None
-        grad_bias = sums[0] if mask[2] else None
-    return (grad_input, _as_param_dtype(grad_weight, out_dtype),
-            _as_param_dtype(grad_bias, out_dtype), side)
+        grad_weight, grad_bias = _param_grads(sums[0], sums[1], invstd, mask, out_dtype)
+    return grad_input, grad_weight, grad_bias, side
 
 
 def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any,
@@ -526,11 +530,11 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
         with kernels.region(layout.kernel):
             sum_dy, sum_dy_xmu = kernels.reduce(layout.kernel, layout.x, layout.grad,
                                                 mean.astype(np.float64))
-    grad_weight = sum_dy_xmu * invstd.astype(np.float64)
-    return (sum_dy.astype(mean.dtype) if flags[0] else None,
-            sum_dy_xmu.astype(mean.dtype) if flags[0] else None,
-            grad_weight.astype(out_dtype) if flags[1] else None,
-            sum_dy.astype(out_dtype) if flags[2] else None)
+    grad_weight, grad_bias = _param_grads(sum_dy, sum_dy_xmu, invstd.astype(np.float64), flags,
+                                          out_dtype)
+    with np.errstate(over="ignore"):  # sums beyond the statistics' dtype: inf, no warning
+        return (sum_dy.astype(mean.dtype) if flags[0] else None,
+                sum_dy_xmu.astype(mean.dtype) if flags[0] else None, grad_weight, grad_bias)
 
 
 def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any, weight: Any,

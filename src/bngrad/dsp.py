@@ -259,10 +259,13 @@ def _batch_norm_grad(x: Any, dy: Any, dx: Any, params: Any, half: bool,
     # buffer's own dtype (float32 sums would be rounded twice into a float16 buffer).
     wide = np.float64 if half else FLOAT32
     mean, invar, scale = (per_channel[n].astype(wide) for n in ("mean", "invar", "scale"))
-    dscale, dbias = _compute(data["x"], data["dy"], data["dx"], mean, invar, scale, train,
-                             num_threads)
-    np.copyto(per_channel["dbias"], dbias, casting="same_kind")
-    np.copyto(per_channel["dscale"], dscale, casting="same_kind")
+    # results beyond a float16 buffer's range are inf there, and 0 x inf NaN, as the C
+    # version's arithmetic gives them, without NumPy's warnings (raised under -W error)
+    with np.errstate(over="ignore", invalid="ignore"):
+        dscale, dbias = _compute(data["x"], data["dy"], data["dx"], mean, invar, scale, train,
+                                 num_threads)
+        np.copyto(per_channel["dbias"], dbias, casting="same_kind")
+        np.copyto(per_channel["dscale"], dscale, casting="same_kind")
 
 
 def _compute(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, mean: np.ndarray,

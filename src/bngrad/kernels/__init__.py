@@ -298,7 +298,9 @@ def update_running_stats(running_mean: Optional[np.ndarray], running_var: Option
         if running.dtype in _COMPILED_STATS:
             k.update_running(running, stat, float(momentum), int(count), unbiased)
         else:
-            with np.errstate(invalid="ignore"):  # inf statistics: NaN without a warning
+            # inf statistics: NaN, and beyond the running statistics' dtype (float16): inf,
+            # both without NumPy's warnings
+            with np.errstate(invalid="ignore", over="ignore"):
                 batch = (stat if not unbiased else stat * count / (count - 1) if count > 1
                          else np.full(len(stat), np.nan))
                 running[...] = (1 - momentum) * running.astype(np.float64) + momentum * batch
