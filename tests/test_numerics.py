@@ -397,3 +397,37 @@ def test_sums_beyond_float32_and_float16_running_stats_without_a_warning():
     assert_close(gw, ref[2], gw.dtype, "grad_weight")
     assert np.array_equal(rv, rv_torch.numpy()) and np.isinf(rv).all()
     assert np.isinf(params.dbias).all()
+
+
+# --- bfloat16 data near float32's range: the backward's float32 terms overflow ---------------
+
+@pytest.mark.parametrize("path, shape", [("lanes", (64, 8)), ("fused", (4, 8, 300)),
+                                         ("runs", (4, 8, 300)), ("fused_short", (4, 8, 40)),
+                                         ("short", (4, 8, 40))])
+def test_bfloat16_backward_where_float32_terms_overflow(path, shape):
+    """bfloat16 has float32's range; its backward sums dy*(x - mean) as float32 terms in
+    blocks, which overflow for |dy*(x - mean)| near 3.4e38 (data of magnitude 1e20). The sums
+    are then taken again in float64 terms, as float32 data's are: finite, as the reference
+    (PyTorch, summing in float32, gives NaN). Through the fused pass (grad_input written
+    again), the two-phase one and batch_norm_backward_reduce."""
+    from bngrad import kernels
+    rng = np.random.default_rng(0)
+    x, dy = ((rng.standard_normal(shape) * 1e20).astype(np.float32).astype(BF16)
+             for _ in range(2))
+    w = rng.uniform(0.5, 1.5, shape[1]).astype(np.float32)
+    mean, invstd = bngrad.batch_norm_forward(x, w, None)[1:]
+    ref = reference.batch_norm_backward(dy, x, w, None, None, mean, invstd)
+    assert np.isfinite(ref[1]).all() and np.abs(ref[1]).max() > 1e19  # (the case it says)
+    with kernels.forced_path(path), kernels.override(serial_elements=0):
+        got = bngrad.batch_norm_backward(dy, x, w, None, None, mean, invstd, num_threads=2)
+        reduced = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w)
+    for name, a, b in zip(("grad_input", "grad_weight", "grad_bias"), got, ref):
+        assert_close(a, b, a.dtype, name)
+    ref_reduce = reference.batch_norm_backward_reduce(dy, x, mean, invstd, w)
+    for name, a, b in zip(("sum_dy", "grad_weight", "grad_bias"), reduced[::2] + reduced[3:],
+                          ref_reduce[::2] + ref_reduce[3:]):
+        assert np.isfinite(a).all(), name
+        assert_close(a, b, a.dtype, name)
+    # sum_dy_xmu (~1e40) in the statistics' dtype, float32: beyond its range, so inf, signed
+    assert (np.abs(ref_reduce[1]) > np.finfo(np.float32).max).all()
+    assert np.array_equal(reduced[1], np.sign(ref_reduce[1]) * np.float32(np.inf))

@@ -214,11 +214,37 @@ def _lane_chunks(piece: LanePiece, block: int, x: Operand, dy: Optional[Operand]
 def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray,
            shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (None: 0,
-    and the backward's sums of half data go through float32 blocks, kernels._ops). ``dy``
-    None: the moments' sums (sum d, sum d**2), d = x - mean, the values of dy = x and shift =
-    mean in fewer operations. Given ``y`` (the forward's output, mask bytes, or mask bits
-    with the flat index of x's first element), dy is first masked by the ReLU it records.
-    Sources of rows give the bits of the arrays they stand for (chunks of whole row blocks)."""
+    and the backward's sums of half data go through float32 blocks, kernels._ops, taken again
+    in float64 terms where bfloat16's overflowed: _wide_sums). ``dy`` None: the moments' sums
+    (sum d, sum d**2), d = x - mean, the values of dy = x and shift = mean in fewer operations.
+    Given ``y`` (the forward's output, mask bytes, or mask bits with the flat index of x's
+    first element), dy is first masked by the ReLU it records. Sources of rows give the bits
+    of the arrays they stand for (chunks of whole row blocks)."""
+    sums = _reduce(plan, x, dy, mean, shift, y)
+    if dy is not None and shift is None and _overflowed(x, sums):
+        return _wide_sums(plan, x, dy, mean, y)
+    return sums
+
+
+def _overflowed(x: Operand, sums: tuple[np.ndarray, np.ndarray]) -> bool:
+    """Whether a backward's sums over bfloat16 data (x's kernel view uint16) are not all
+    finite: bfloat16 has float32's range, so its float32 terms dy*(x - mean) overflow where
+    |dy*(x - mean)| nears 3.4e38 (float16's stay below 1e10)."""
+    return x.dtype == np.uint16 and not (np.isfinite(sums[0]).all()
+                                         and np.isfinite(sums[1]).all())
+
+
+def _wide_sums(plan: KernelPlan, x: Operand, dy: Operand, mean: np.ndarray, y: Aux
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The backward's sums in float64 terms (a zero shift selects them; kernels._ops), for
+    bfloat16 data whose float32 terms overflowed: finite where the data are (as float32 data's
+    sums, and the reference's); inf or NaN where they are not. Rare, so compiled when first
+    needed."""
+    return _reduce(plan, x, dy, mean, np.zeros(x.shape[1]), y)
+
+
+def _reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray,
+            shift: Optional[np.ndarray], y: Aux) -> tuple[np.ndarray, np.ndarray]:
     if dy is None:
         shift = mean
     C = x.shape[1]
@@ -454,7 +480,9 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
     no fused operands; returns (sum_dy, sum_dy_xmu) in float64."""
     if (plan.one_call and y is None and aux is None and isinstance(x, np.ndarray)
             and isinstance(dy, np.ndarray)):
-        return one_call_backward(plan, x, dy, out, mean, invstd, weight, count, dtype)
+        sums = one_call_backward(plan, x, dy, out, mean, invstd, weight, count, dtype)
+        return _rewritten_if_overflowed(plan, x, dy, out, mean, invstd, weight, count, dtype,
+                                        None, None, sums)
     if plan.path in ("fused", "fused_short") and isinstance(x, np.ndarray) and isinstance(
             dy, np.ndarray):
         C = x.shape[1]
@@ -469,8 +497,26 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
             launcher(plan.serial, n).backward_fused_short(
                 n, x, dy, y, out, aux, mean, invstd, weight, float(count), plan.rows,
                 plan.fused_group, plan.span_loop, sum_dy, sum_dy_xmu, coef)
-        return sum_dy, sum_dy_xmu
-    sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean, y=y)
+        return _rewritten_if_overflowed(plan, x, dy, out, mean, invstd, weight, count, dtype,
+                                        y, aux, (sum_dy, sum_dy_xmu))
+    sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean, y=y)  # (wide where overflowed: before out)
+    coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)
+    elementwise(plan, out, coef, x, dy, y=y, aux=aux)
+    return sum_dy, sum_dy_xmu
+
+
+def _rewritten_if_overflowed(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, out: np.ndarray,
+                             mean, invstd, weight, count, dtype, y: Aux, aux: Aux,
+                             sums: tuple[np.ndarray, np.ndarray]
+                             ) -> tuple[np.ndarray, np.ndarray]:
+    """After a pass that summed and wrote grad_input at once: where bfloat16's float32 terms
+    overflowed (_overflowed), the sums again in float64 terms and grad_input (and ``aux``)
+    written again with them, unless ``out`` is x's or dy's memory, already overwritten (an
+    out= of grad_out or input, or grad_out copied into grad_input's buffer): NaN there, as
+    PyTorch's."""
+    if not _overflowed(x, sums) or np.may_share_memory(out, x) or np.may_share_memory(out, dy):
+        return sums
+    sum_dy, sum_dy_xmu = _wide_sums(plan, x, dy, mean, y)
     coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)
     elementwise(plan, out, coef, x, dy, y=y, aux=aux)
     return sum_dy, sum_dy_xmu
