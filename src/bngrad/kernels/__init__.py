@@ -511,10 +511,12 @@ def _rewritten_if_overflowed(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, ou
                              ) -> tuple[np.ndarray, np.ndarray]:
     """After a pass that summed and wrote grad_input at once: where bfloat16's float32 terms
     overflowed (_overflowed), the sums again in float64 terms and grad_input (and ``aux``)
-    written again with them, unless ``out`` is x's or dy's memory, already overwritten (an
-    out= of grad_out or input, or grad_out copied into grad_input's buffer): NaN there, as
-    PyTorch's."""
-    if not _overflowed(x, sums) or np.may_share_memory(out, x) or np.may_share_memory(out, dy):
+    written again with them, unless ``out`` is the memory of x, dy or the ReLU's record ``y``,
+    already overwritten (an out= of grad_out, input or the forward's output, or grad_out copied
+    into grad_input's buffer): NaN there, as PyTorch's."""
+    record = y[0] if isinstance(y, tuple) else y  # (mask bits: their array)
+    if not _overflowed(x, sums) or any(a is not None and np.may_share_memory(out, a)
+                                       for a in (x, dy, record)):
         return sums
     sum_dy, sum_dy_xmu = _wide_sums(plan, x, dy, mean, y)
     coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)
