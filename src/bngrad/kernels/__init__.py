@@ -499,10 +499,18 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
                 plan.fused_group, plan.span_loop, sum_dy, sum_dy_xmu, coef)
         return _rewritten_if_overflowed(plan, x, dy, out, mean, invstd, weight, count, dtype,
                                         y, aux, (sum_dy, sum_dy_xmu))
-    sum_dy, sum_dy_xmu = reduce(plan, x, dy, mean, y=y)  # (wide where overflowed: before out)
-    coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)
+    sums = reduce(plan, x, dy, mean, y=y)  # (wide where overflowed: before out is written)
+    return _write_grad_input(plan, x, dy, out, mean, invstd, weight, count, dtype, y, aux, sums)
+
+
+def _write_grad_input(plan: KernelPlan, x: Operand, dy: Operand, out: np.ndarray,
+                      mean, invstd, weight, count, dtype, y: Aux, aux: Aux,
+                      sums: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The two-phase backward's second pass: grad_input (and ``aux``) from ``sums``; returns
+    them."""
+    coef = train_coefficients(*sums, mean, invstd, weight, count, dtype)
     elementwise(plan, out, coef, x, dy, y=y, aux=aux)
-    return sum_dy, sum_dy_xmu
+    return sums
 
 
 def _rewritten_if_overflowed(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, out: np.ndarray,
@@ -518,10 +526,8 @@ def _rewritten_if_overflowed(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, ou
     if not _overflowed(x, sums) or any(a is not None and np.may_share_memory(out, a)
                                        for a in (x, dy, record)):
         return sums
-    sum_dy, sum_dy_xmu = _wide_sums(plan, x, dy, mean, y)
-    coef = train_coefficients(sum_dy, sum_dy_xmu, mean, invstd, weight, count, dtype)
-    elementwise(plan, out, coef, x, dy, y=y, aux=aux)
-    return sum_dy, sum_dy_xmu
+    return _write_grad_input(plan, x, dy, out, mean, invstd, weight, count, dtype, y, aux,
+                             _wide_sums(plan, x, dy, mean, y))
 
 
 # ---------------------------------------------------------------------------------------------
