@@ -51,6 +51,9 @@ def test_runs_serial_formula():
     assert _plan.runs_serial(4 * S // 3 - 1, 4) and not _plan.runs_serial(4 * S // 3 + 1, 4)
     with kernels.override(serial_elements=100):
         assert _plan.runs_serial(199, 2) and not _plan.runs_serial(200, 2)
+        # a fused path's training calls launch once: half the threshold
+        assert _plan._runs_serial(kernels.config(), 99, 2, one_launch=True)
+        assert not _plan._runs_serial(kernels.config(), 100, 2, one_launch=True)
     with kernels.override(serial_elements=NEVER_SERIAL):
         assert not _plan.runs_serial(1, 2) and _plan.runs_serial(1, 1)
 
@@ -118,11 +121,12 @@ def test_one_call_passes_give_the_launchers_bits(grid, variant, monkeypatch):
 
 
 def _threshold_shapes():
-    """Shapes just below and at the default threshold for 2 threads (2 * serial_elements),
-    channels-first (short runs) and channels-last 2-D."""
-    S2 = 2 * kernels.Config().serial_elements
-    return [("chfirst-below", (S2 // 4096 - 1, 64, 64)), ("chfirst-at", (S2 // 4096, 64, 64)),
-            ("2d-below", (S2 // 64 - 1, 64)), ("2d-above", (S2 // 64 + 1, 64))]
+    """Shapes just below and at the default threshold for 2 threads: channels-first short runs
+    (a fused path's, one launch: serial_elements) and channels-last 2-D (two launches:
+    2 * serial_elements)."""
+    S = kernels.Config().serial_elements
+    return [("chfirst-below", (S // 4096 - 1, 64, 64)), ("chfirst-at", (S // 4096, 64, 64)),
+            ("2d-below", (2 * S // 64 - 1, 64)), ("2d-above", (2 * S // 64 + 1, 64))]
 
 
 @pytest.mark.parametrize("variant", ["float32", "bfloat16-p32", "float64"])

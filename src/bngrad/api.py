@@ -98,17 +98,6 @@ def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Arr
     return grad_out, input, check.channel_axis(channel_axis, input.ndim)
 
 
-def _param_grads(sum_dy: Array, sum_dy_xmu: Array, invstd: Array, mask: Sequence[bool],
-                 dtype: np.dtype) -> tuple[Optional[Array], Optional[Array]]:
-    """(grad_weight, grad_bias) as ``mask[1:]`` asks, in the parameters' ``dtype``: inf where
-    they leave its range (a float16 weight's gradients under loss scaling), NaN for 0 x inf (an
-    infinite invstd), as PyTorch gives them, and without NumPy's warnings, which under ``-W
-    error`` would be raised instead of the result (the API never warns)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        return ((sum_dy_xmu * invstd).astype(dtype) if mask[1] else None,
-                sum_dy.astype(dtype) if mask[2] else None)
-
-
 def _direct(known: Optional[_calls.Known], threads: int, out: Optional[Array],
             forward: bool) -> Optional[kernels.KernelPlan]:
     """A repeat call's kernel plan where its kernels run on views of the caller's arrays
@@ -420,7 +409,7 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
             sum_dy, sum_dy_xmu = kernels.backward_train(
                 kernel, x, dy, out_kernel, save_mean.astype(np.float64), invstd, w, count,
                 spec.compute)
-        return (result, *_param_grads(sum_dy, sum_dy_xmu, invstd, mask, out_dtype), None)
+        return (result, *kernels.param_grads(sum_dy, sum_dy_xmu, invstd, mask, out_dtype), None)
     # A backward with grad_input copies what must be copied into grad_input's buffer
     # (bngrad._layout), but for an out= that may share memory with the ReLU's record (y, or its
     # mask), which must not be written before it is read.
@@ -481,7 +470,7 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
     grad_weight = grad_bias = None
     if mask[1] or mask[2]:
         assert sums is not None  # every branch above takes the sums when these are asked for
-        grad_weight, grad_bias = _param_grads(sums[0], sums[1], invstd, mask, out_dtype)
+        grad_weight, grad_bias = kernels.param_grads(sums[0], sums[1], invstd, mask, out_dtype)
     return grad_input, grad_weight, grad_bias, side
 
 
@@ -530,8 +519,8 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
         with kernels.region(layout.kernel):
             sum_dy, sum_dy_xmu = kernels.reduce(layout.kernel, layout.x, layout.grad,
                                                 mean.astype(np.float64))
-    grad_weight, grad_bias = _param_grads(sum_dy, sum_dy_xmu, invstd.astype(np.float64), flags,
-                                          out_dtype)
+    grad_weight, grad_bias = kernels.param_grads(sum_dy, sum_dy_xmu, invstd.astype(np.float64),
+                                                 flags, out_dtype)
     with np.errstate(over="ignore"):  # sums beyond the statistics' dtype: inf, no warning
         return (sum_dy.astype(mean.dtype) if flags[0] else None,
                 sum_dy_xmu.astype(mean.dtype) if flags[0] else None, grad_weight, grad_bias)

@@ -19,7 +19,8 @@ import contextlib
 import math
 import threading
 import types
-from typing import Any, ContextManager, Iterable, Iterator, Optional, Protocol, Tuple, Union
+from typing import (Any, ContextManager, Iterable, Iterator, Optional, Protocol, Sequence, Tuple,
+                    Union)
 
 import numpy as np
 
@@ -35,7 +36,8 @@ from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, config, for
 __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "KernelPlan",
            "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
            "copy_rows", "elementwise", "forced_path", "forward_train", "inv_std", "moments",
-           "normalize_coefficients", "one_call_backward", "one_call_forward", "override", "plan",
+           "normalize_coefficients", "one_call_backward", "one_call_forward", "override",
+           "param_grads", "plan",
            "reduce", "reduce_block_rows",
            "train_coefficients", "transpose_last_two", "update_running_stats"]
 
@@ -335,6 +337,26 @@ def update_running_stats(running_mean: Optional[np.ndarray], running_var: Option
 _COMPILED_STATS = frozenset((np.dtype(np.float32), np.dtype(np.float64)))
 
 
+def param_grads(sum_dy: np.ndarray, sum_dy_xmu: np.ndarray, invstd: np.ndarray,
+                mask: Sequence[bool], dtype: np.dtype
+                ) -> tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(grad_weight = sum_dy_xmu * invstd, grad_bias = sum_dy) as ``mask[1:]`` asks, in the
+    parameters' ``dtype``: inf where they leave its range (a float16 weight's gradients under
+    loss scaling), NaN for 0 x inf (an infinite invstd), as PyTorch gives them, and without
+    NumPy's warnings, which under ``-W error`` would be raised instead of the result. float32
+    and float64 in one compiled call (kernels.batchnorm.param_grads: the same bits); halves by
+    NumPy, rounded once from float64 (a compiled cast would round through float32 first)."""
+    if dtype in _COMPILED_STATS:
+        C = len(sum_dy)
+        grad_weight = np.empty(C, dtype) if mask[1] else None
+        grad_bias = np.empty(C, dtype) if mask[2] else None
+        k.param_grads(sum_dy, sum_dy_xmu, invstd, grad_weight, grad_bias)
+        return grad_weight, grad_bias
+    with np.errstate(over="ignore", invalid="ignore"):
+        return ((sum_dy_xmu * invstd).astype(dtype) if mask[1] else None,
+                sum_dy.astype(dtype) if mask[2] else None)
+
+
 def normalize_coefficients(mean: np.ndarray, var: np.ndarray, eps: float, weight: np.ndarray,
                            bias: np.ndarray, dtype: np.dtype, train: bool = True
                            ) -> tuple[np.ndarray, np.ndarray]:
@@ -369,12 +391,6 @@ def _piece_aux(aux: Aux, piece: LanePiece, C: int) -> Aux:
     if isinstance(aux, tuple):
         return aux[0], aux[1] + piece.start * C
     return _piece_rows(aux, piece)
-
-
-def _lanes(a: np.ndarray, lanes: int) -> np.ndarray:
-    """A one-call plan's piece (all of canonical array ``a``) as rows of ``lanes`` lanes
-    (KernelPlan.one_call_lanes; 0: as it is)."""
-    return a.reshape(-1, lanes) if lanes else a
 
 
 def elementwise(plan: KernelPlan, out: np.ndarray, coef: np.ndarray,
@@ -449,11 +465,9 @@ def one_call_forward(plan: KernelPlan, x: np.ndarray, out: np.ndarray, weight: n
     biased var, invstd) in float64."""
     C = x.shape[1]
     stats = np.empty((3, C))
-    lanes_r, lanes_e = plan.one_call_lanes
-    k.forward_one_call(_lanes(x, lanes_r), _lanes(x, lanes_e), _lanes(out, lanes_e),
-                       np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
-                       float(eps), float(count), plan.one_call_tiles, stats,
-                       np.empty((4, C), dtype=dtype), _team(plan))
+    k.forward_one_call(x, out, np.zeros(C) if x.dtype == np.float64 else None, weight, bias,
+                       float(eps), float(count), plan.one_call_lanes, plan.one_call_tiles,
+                       stats, np.empty((4, C), dtype=dtype), _team(plan))
     return stats[0], stats[1], stats[2]
 
 
@@ -465,11 +479,8 @@ def one_call_backward(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, out: np.n
     sum_dy_xmu) in float64."""
     C = x.shape[1]
     sums = np.zeros((2, C))
-    lanes_r, lanes_e = plan.one_call_lanes
-    k.backward_one_call(_lanes(x, lanes_r), _lanes(dy, lanes_r), _lanes(x, lanes_e),
-                        _lanes(dy, lanes_e), _lanes(out, lanes_e), mean, invstd, weight,
-                        float(count), plan.one_call_tiles, sums, np.empty((4, C), dtype=dtype),
-                        _team(plan))
+    k.backward_one_call(x, dy, out, mean, invstd, weight, float(count), plan.one_call_lanes,
+                        plan.one_call_tiles, sums, np.empty((4, C), dtype=dtype), _team(plan))
     return sums[0], sums[1]
 
 

@@ -109,8 +109,9 @@ class Config:
     # was measured to pay (an Intel Xeon), not on AMD's Zen cores, where it cost 10-15%
     # (docs/internals.md)
     span_runs_below: int = 0 if compile_cpu().startswith("znver") else 64
-    # elements whose serial work costs about one parallel launch (waking the pool): smaller
-    # calls run serially (runs_serial scales it by the threads; docs/internals.md)
+    # elements whose serial work costs about a call's parallel launches (waking the pool):
+    # smaller calls run serially (runs_serial scales it by the threads and halves it for a
+    # fused path's one launch; docs/internals.md)
     serial_elements: int = 1 << 15
     # an array that is not dense in the kernels' order (grad_out in another layout than input, a
     # sliced input) is copied whole if no larger, else this many bytes of rows at a time
@@ -165,14 +166,18 @@ def runs_serial(elements: int, threads: int) -> bool:
     """Whether a call on ``elements`` elements with ``threads`` threads runs serially.
 
     A launch on t threads saves at most (1 - 1/t) of the serial time, so it cannot pay unless
-    that exceeds the launch's own cost, ``serial_elements`` elements' worth of serial work:
-    serial below ``serial_elements * t / (t - 1)`` elements, and always on one thread.
+    that exceeds the launches' own cost, ``serial_elements`` elements' worth of serial work
+    (a call's two launches: a reduction, then an elementwise pass): serial below
+    ``serial_elements * t / (t - 1)`` elements, and always on one thread. A call that
+    launches once (``one_launch``: the fused paths' training calls, whose items reduce and
+    write their channels) pays from half that.
     """
     return _runs_serial(_config, elements, threads)
 
 
-def _runs_serial(cfg: Config, elements: int, threads: int) -> bool:
-    return threads <= 1 or elements * (threads - 1) < cfg.serial_elements * threads
+def _runs_serial(cfg: Config, elements: int, threads: int, one_launch: bool = False) -> bool:
+    launch_cost = cfg.serial_elements // 2 if one_launch else cfg.serial_elements
+    return threads <= 1 or elements * (threads - 1) < launch_cost * threads
 
 
 @dataclass(frozen=True)
@@ -307,7 +312,8 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
           ) -> KernelPlan:
     if forced not in (None, "lanes") and len(shape) == 2:
         raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
-    serial = _runs_serial(cfg, math.prod(shape), threads)
+    elements = math.prod(shape)
+    serial = _runs_serial(cfg, elements, threads)
     if len(shape) == 2 or forced == "lanes" or (forced is None and _runs_as_lanes(cfg, shape)):
         reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True, threads)
         elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False, threads)
@@ -334,6 +340,9 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     fused_group = max(1, min(group_elements // max(A * B, 1),
                              _ceil_div(C, cfg.fused_channels_per_thread * threads)))
     elemt_as_lanes = path in ("short", "fused_short") and B < cfg.short_run
+    # (a fused plan's other calls, eval backward and reductions, launch twice: rarer, and a
+    # few microseconds lost where they go parallel below the two-launch threshold)
+    serial = _runs_serial(cfg, elements, threads, one_launch=path in ("fused", "fused_short"))
     return KernelPlan(path, shape, threads, forced is not None, serial, rows=rows, seg=seg,
                       group=_ceil_div(cfg.short_group_lanes, max(B, 1)),
                       fused_group=fused_group, span_loop=B < cfg.span_runs_below,

@@ -1253,13 +1253,24 @@ def _elementwise_one_call(x, dy, out, coef, repeat, times, rows, cols, launch):
               (x, dy, None, None, out, None, lanes, rows, cols))
 
 
+@njit(inline="always", **_JIT)
+def _lane_rows(a, lanes):
+    """Canonical array ``a`` (C-contiguous) as rows of ``lanes`` lanes (0: of its last axis),
+    as kernels._lanes views it: made here, where five NumPy reshapes cost a small call 0.8 us."""
+    L = max(1, lanes if lanes > 0 else a.shape[a.ndim - 1])
+    return a.reshape((a.size // L, L))
+
+
 @njit(**_JIT)
-def backward_one_call(xr, dyr, xe, dye, out, mean, invstd, weight, count, tiles, sums, coef,
+def backward_one_call(x, dy, out, mean, invstd, weight, count, lanes, tiles, sums, coef,
                       launch):
-    """kernels.backward_train in one call: x, dy as the reduction's piece views them (xr,
-    dyr) and as the elementwise pass's does (xe, dye, out); ``tiles`` the pieces' spread and
-    tiles (KernelPlan.one_call_tiles); sums (2, C) zeros, made (sum_dy, sum_dy_xmu)."""
+    """kernels.backward_train in one call: canonical x, dy and out viewed as the reduction's
+    piece views them (lanes[0]) and as the elementwise pass's does (lanes[1]), as
+    KernelPlan.one_call_lanes says; ``tiles`` the pieces' spread and tiles
+    (KernelPlan.one_call_tiles); sums (2, C) zeros, made (sum_dy, sum_dy_xmu)."""
     repeat_r, times_r, rows_r, cols_r, repeat_e, times_e, rows_e, cols_e = tiles
+    xr, dyr = _lane_rows(x, lanes[0]), _lane_rows(dy, lanes[0])
+    xe, dye, out = _lane_rows(x, lanes[1]), _lane_rows(dy, lanes[1]), _lane_rows(out, lanes[1])
     sum_dy, sum_dy_xmu = sums[0], sums[1]
     _lane_sums(xr, dyr, _spread1(mean, repeat_r, times_r, xr.shape[1]), None, repeat_r,
                times_r, rows_r, cols_r, sum_dy, sum_dy_xmu, launch)
@@ -1268,14 +1279,15 @@ def backward_one_call(xr, dyr, xe, dye, out, mean, invstd, weight, count, tiles,
 
 
 @njit(**_JIT)
-def forward_one_call(xr, xe, out, first, weight, bias, eps, count, tiles, stats, coef, launch):
+def forward_one_call(x, out, first, weight, bias, eps, count, lanes, tiles, stats, coef, launch):
     """The training forward in one call: bngrad.api._moments (shifted by each channel's first
     element, or for float64 data, given ``first`` (C,) zeros, by the mean of a first pass,
     which ``first`` None compiles away), the coefficients, the normalize pass
-    (kernels.elementwise); xr as the reduction's piece views x, xe and out as the elementwise
-    pass's; ``tiles`` as backward_one_call's. Writes stats (3, C) = (mean, biased var,
-    invstd) in float64, and coef."""
+    (kernels.elementwise); canonical x and out viewed as backward_one_call views them
+    (``lanes``, ``tiles``). Writes stats (3, C) = (mean, biased var, invstd) in float64, and
+    coef."""
     repeat_r, times_r, rows_r, cols_r, repeat_e, times_e, rows_e, cols_e = tiles
+    xr, xe, out = _lane_rows(x, lanes[0]), _lane_rows(x, lanes[1]), _lane_rows(out, lanes[1])
     mean, var, invstd = stats[0], stats[1], stats[2]
     C, L = mean.shape[0], xr.shape[1]
     shift = np.zeros(C)
@@ -1320,6 +1332,18 @@ def first_negative(values):
         if values[c] < 0:
             return c
     return -1
+
+
+@njit(**_JIT)
+def param_grads(sum_dy, sum_dy_xmu, invstd, grad_weight, grad_bias):
+    """grad_weight = sum_dy_xmu * invstd and grad_bias = sum_dy, each rounded once to its
+    float32 or float64 array (None: skipped), as NumPy's product and astype give them, inf and
+    NaN included, but without their warnings' np.errstate (1 us of a small call's ~15)."""
+    for c in range(sum_dy.shape[0]):
+        if grad_weight is not None:
+            grad_weight[c] = sum_dy_xmu[c] * invstd[c]
+        if grad_bias is not None:
+            grad_bias[c] = sum_dy[c]
 
 
 @njit(**_JIT)
