@@ -178,21 +178,28 @@ def test_serial_calls_never_touch_the_thread_pool():
 
 def test_parallel_calls_still_enter_the_region():
     """The converse, so that the test above cannot pass vacuously: a call above the threshold
-    on 2 threads enters a parallel region."""
+    on 2 threads holds this thread's fork-gate lock (bngrad._threads.region)."""
     if bngrad._threads.resolve_num_threads(2) < 2:
         pytest.skip("one core: every call is serial")
     x = np.zeros((64, 64, 32, 32), np.float32)
-    entered = []
-    real = kernels.parallel_region
+    gate = bngrad._threads._fork_gate
+    real = gate.lock
+    held = []
 
-    class Spy(real):  # type: ignore[misc, valid-type]
+    class Spy:
+        def __init__(self, lock):
+            self._lock = lock
+
         def __enter__(self):
-            entered.append(True)
-            return super().__enter__()
+            held.append(True)
+            return self._lock.__enter__()
 
-    kernels.parallel_region = Spy
+        def __exit__(self, *exc):
+            return self._lock.__exit__(*exc)
+
+    gate.lock = lambda: Spy(real())
     try:
         bngrad.batch_norm_forward(x, num_threads=2)
     finally:
-        kernels.parallel_region = real
-    assert entered
+        del gate.lock
+    assert held

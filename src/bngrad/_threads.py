@@ -132,89 +132,103 @@ class _ForkGate:
     in flight have ended and holds new ones until it is done, so that no kernel launch is in
     flight when the process forks.
 
-    A thread already inside a region enters nested ones without waiting (the fork waits for
-    its outer one anyway), and a thread that forks from inside a region does not wait for
-    itself. Nor does a call made on the forking thread while it prepares the fork (a signal
-    handler's, run while fork() waits here): the fork cannot go on before that call returns,
-    and waiting for the fork would wait for itself. Every wait is a Condition wait, which
-    releases the GIL. The child, where only the forking thread survives, starts with a fresh
-    gate.
+    Each thread that runs parallel regions has its own re-entrant lock, its gate lock, which
+    it holds for each region (nested ones re-enter it), and fork() takes every thread's gate
+    lock (its own too), waiting for each region in flight to end; a thread that enters a
+    region meanwhile waits for the fork. A lock held by the forking thread itself is re-entered
+    there: a fork from inside a region, or a call on the forking thread while it prepares the
+    fork (a signal handler's, run while fork() waits here), goes on without waiting for itself.
+    With Numba's workqueue layer, which is not thread-safe, every thread's gate lock is the one
+    launch lock, which serialises the launches too.
+
+    The lock is a C lock held by a ``with`` statement (:func:`bngrad.kernels.region`), not state
+    kept by Python code: an exception raised by a signal handler (KeyboardInterrupt, a timeout)
+    can interrupt Python code between any two calls, and a count or flag updated by Python
+    code could be left counting a region that had ended, so that every later fork, or every
+    later call from another thread, waited forever. A ``with`` statement releases a C lock
+    whatever interrupts its body, and nothing can interrupt between the acquisition and the
+    body (Python checks for signals after calls and on loops only). Every wait is a lock's
+    acquire, which releases the GIL. The child, where only the forking thread survives, starts
+    with a fresh gate.
     """
 
     def __init__(self) -> None:
-        self._depth = threading.local()  # this thread's regions in flight
-        self._used = False               # whether any region was ever entered
-        self._reset(running=0)
+        self._local = threading.local()  # this thread's gate lock, and whether it is forking
+        self._used = False               # whether any thread ever made a gate lock
+        self._reset()
 
-    def _reset(self, running: int) -> None:
-        # RLock: a signal handler may enter a region while its thread holds this lock.
-        self._cond = threading.Condition(threading.RLock())
-        self._running = running  # regions in flight, all threads (nested ones each)
-        self._parked = 0         # of those, held by threads now forking (they launch nothing)
-        self._forks = 0          # forks waiting or in progress
+    def _reset(self) -> None:
+        self._locks: dict[int, Any] = {}  # each thread's gate lock, by thread ident
+        # re-entrant, both: a signal handler may fork, or make its thread's first gate lock
+        # while the fork waits, on a thread that holds them
+        self._registry = threading.RLock()
+        self._forking = threading.RLock()  # one fork at a time
+        self._held: list[Any] = []  # the gate locks a fork in progress holds
 
-    def _mine(self) -> int:
-        return getattr(self._depth, "n", 0)
+    def lock(self) -> Any:
+        """This thread's gate lock, to hold (``with``) around a parallel region."""
+        lock = getattr(self._local, "lock", None)
+        return lock if lock is not None else self._new_lock()
+
+    def _new_lock(self) -> Any:
+        lock = threading.RLock() if _LAUNCH_IS_THREAD_SAFE else _launch_lock
+        with self._forking, self._registry:  # (not while a fork gathers the locks)
+            self._locks[threading.get_ident()] = lock
+            self._used = True
+        self._local.lock = lock
+        return lock
 
     def forking_here(self) -> bool:
         """Whether this thread is in os.fork()'s preparation (before_fork)."""
-        return getattr(self._depth, "forking", False)
-
-    def enter(self) -> None:
-        depth = self._mine()
-        with self._cond:
-            while depth == 0 and self._forks and not self.forking_here():
-                self._cond.wait()
-            self._running += 1
-            self._depth.n = depth + 1
-            self._used = True
-
-    def exit(self) -> None:
-        with self._cond:
-            self._running -= 1
-            self._depth.n -= 1
-            if self._forks:
-                self._cond.notify_all()
+        return getattr(self._local, "forking", False)
 
     def before_fork(self) -> None:
         # Nor may another thread be compiling or loading a kernel: its locks (Numba's compiler
         # lock, llvmlite's, LLVM's own) would stay held in the child, whose first call would
         # wait forever. So the fork also holds Numba's compiler lock, taken without waiting
-        # while holding the gate (a thread that holds it may need a region to finish).
+        # while holding the gate locks (a thread that holds it may need a region to finish).
         compiler = _COMPILER_LOCK
-        self._depth.forking = True
+        self._local.forking = True
+        self._forking.acquire()
         while True:
-            with self._cond:
-                self._forks += 1
-                self._parked += self._mine()
-                while self._running > self._parked:
-                    self._cond.wait()
-                if compiler is None or compiler.acquire(blocking=False):
-                    break
-                self._forks -= 1
-                self._parked -= self._mine()
-                self._cond.notify_all()
+            with self._registry:  # (threads that have ended hold no region)
+                alive = {t.ident for t in threading.enumerate()}
+                for ident in [i for i in self._locks if i not in alive]:
+                    del self._locks[ident]
+                locks = list({id(lock): lock for lock in self._locks.values()}.values())
+            for lock in locks:
+                lock.acquire()
+            if compiler is None or compiler.acquire(blocking=False):
+                break
+            for lock in reversed(locks):
+                lock.release()
             compiler.acquire()  # (the compile in flight ends; then try again)
             compiler.release()
+        self._held = locks
         if self._used:
             _wait_for_native_threads_to_sleep()
 
     def after_fork_in_parent(self) -> None:
-        self._depth.forking = False
+        self._local.forking = False
         if _COMPILER_LOCK is not None:
             _COMPILER_LOCK.release()
-        with self._cond:
-            self._forks -= 1
-            self._parked -= self._mine()
-            self._cond.notify_all()
+        held, self._held = self._held, []
+        for lock in reversed(held):
+            lock.release()
+        self._forking.release()
 
     def after_fork_in_child(self) -> None:
         global _launch_lock
-        self._depth.forking = False
+        self._local.forking = False
         if _COMPILER_LOCK is not None:
             _COMPILER_LOCK.release()  # (this thread's, from the fork)
-        self._reset(running=self._mine())
-        if not self._mine():  # nobody here holds it, whatever it looked like at the fork
+        own = getattr(self._local, "lock", None)
+        if own is not None:
+            own.release()  # (the fork's hold; a region this thread is in still holds it)
+        self._reset()
+        if own is not None:
+            self._locks[threading.get_ident()] = own
+        elif not _LAUNCH_IS_THREAD_SAFE:  # nobody here holds it, whatever it was at the fork
             _launch_lock = threading.RLock()
 
 
@@ -308,13 +322,16 @@ _numba_event.register("numba:compiler_lock", _deferred_signals)
 
 
 class parallel_region:
-    """Run the enclosed kernels on ``num_threads`` threads (None: all), safely.
+    """Run the enclosed kernels on ``num_threads`` threads (None: all), safely: this thread's
+    fork-gate lock held (see _ForkGate), and Numba's thread count set where it differs.
 
     Numba's thread count is thread-local, so concurrent callers do not disturb each other.
     The count is capped at the size of Numba's pool (NUMBA_NUM_THREADS, the machine's cores)
-    and set only where it differs from the count in force. No fork() happens while a region is
-    open (see _ForkGate). A class rather than a generator-based context manager: it is entered
-    on every parallel call, and costs less so. Serial calls (kernels.region) enter none.
+    and set only where it differs from the count in force. A call whose count is the one in
+    force holds only the gate lock, by a ``with`` of the lock itself (:func:`region`), which
+    nothing can leave held; this class, Python code, can be interrupted by an exception from a
+    signal handler between its steps, and is for calls that change the count. A class rather
+    than a generator-based context manager: it costs less.
     """
 
     __slots__ = ("_wanted", "_previous", "_lock")
@@ -322,14 +339,13 @@ class parallel_region:
     def __init__(self, num_threads: Optional[int]) -> None:
         self._wanted = num_threads
         self._previous: Optional[int] = None
-        self._lock: Optional[threading.RLock] = None
+        self._lock: Optional[Any] = None
 
     def __enter__(self) -> None:
-        _fork_gate.enter()
+        lock = _fork_gate.lock()
+        lock.acquire()
+        self._lock = lock
         try:
-            if not _LAUNCH_IS_THREAD_SAFE:
-                self._lock = _launch_lock
-                self._lock.acquire()
             if self._wanted is not None:
                 wanted = min(self._wanted, numba.config.NUMBA_NUM_THREADS)
                 previous = current_num_threads()
@@ -352,7 +368,17 @@ class parallel_region:
             if self._lock is not None:
                 self._lock.release()
                 self._lock = None
-            _fork_gate.exit()
+
+
+def region(num_threads: Optional[int]) -> Any:
+    """What a parallel call on ``num_threads`` threads (None: the count in force) runs its
+    kernels in (``with``): this thread's fork-gate lock itself where that count is the one in
+    force (the common case, and safe from a signal handler's exception: see _ForkGate), else
+    a :class:`parallel_region`."""
+    if num_threads is None or (min(num_threads, numba.config.NUMBA_NUM_THREADS)
+                               == current_num_threads()):
+        return _fork_gate.lock()
+    return parallel_region(num_threads)
 
 
 def resolve_num_threads(num_threads: Optional[int]) -> int:

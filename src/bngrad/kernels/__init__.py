@@ -29,7 +29,7 @@ from . import _launch, _plan
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
-from .._threads import parallel_region
+from .._threads import region as _gate_region
 from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, config, forced_path, override,
                     plan, runs_serial)
 
@@ -69,13 +69,14 @@ def _team(plan: KernelPlan) -> Optional[tuple[int, int, int]]:
     return None if plan.serial else _launch.team(_gomp.use_torch_team(), plan.threads)
 
 
-def region(plan: KernelPlan) -> ContextManager[None]:
-    """What a call planned by ``plan`` runs its kernels inside: bngrad._threads'
-    parallel_region on the plan's threads, or, for a serial call, nothing: no native thread
+def region(plan: KernelPlan) -> ContextManager[Any]:
+    """What a call planned by ``plan`` runs its kernels inside (``with``): bngrad._threads'
+    region on the plan's threads (the fork gate's lock, and the thread count where it
+    differs), or, for a serial call, nothing: no native thread
     is involved, so there is no thread count to set and nothing for the fork gate to guard
     (a fork copies only the forking thread, and a serial kernel holds no lock of the pool's).
     A parallel launch of a serial call's (the layout's copies) opens its own region."""
-    return _NO_REGION if plan.serial else parallel_region(plan.threads)
+    return _NO_REGION if plan.serial else _gate_region(plan.threads)
 
 
 _NO_REGION = contextlib.nullcontext()
@@ -550,7 +551,7 @@ def copy_rows(source: np.ndarray, out: np.ndarray, threads: int) -> None:
     rows = max(1, config().copy_block // max(1, out.shape[1]))
     n = _ceil_div(out.shape[0], rows)
     run = launcher(runs_serial(out.size, threads), n)
-    with _NO_REGION if run is serial else parallel_region(threads):
+    with _NO_REGION if run is serial else _gate_region(threads):
         run.copy_rows(n, source, out, rows)
 
 
@@ -561,5 +562,5 @@ def transpose_last_two(source: np.ndarray, out: np.ndarray, threads: int) -> Non
     A, C, B = out.shape
     n = A * _ceil_div(C, k.TRANSPOSE_COLS) * _ceil_div(B, k.TRANSPOSE_ROWS)
     run = launcher(runs_serial(out.size, threads), n)
-    with _NO_REGION if run is serial else parallel_region(threads):
+    with _NO_REGION if run is serial else _gate_region(threads):
         run.transpose_last_two(n, source, out)
