@@ -324,6 +324,11 @@ def edge_batches(rank: int, world: int) -> dict:
     rec["empty"] = {"y_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape),
                     "running_mean": _arr(bn.running_mean), "running_var": _arr(bn.running_var),
                     "grad_weight": _arr(bn.weight.grad), "grad_bias": _arr(bn.bias.grad)}
+    # no channels (a ZeroDivisionError on 2 ranks, found by hostile testing)
+    x = torch.randn(4, 0, 2, dtype=torch.float64, requires_grad=True)
+    y = SyncBatchNorm(0, dtype=torch.float64)(x)
+    y.sum().backward()
+    rec["no_channels"] = {"y_shape": tuple(y.shape), "grad_shape": tuple(x.grad.shape)}
     # torch's BatchNorm(bias=False): a weight but no bias
     bn = SyncBatchNorm.convert_sync_batchnorm(torch.nn.BatchNorm1d(3, bias=False).double())
     x = bias_free_input(rank).requires_grad_(True)

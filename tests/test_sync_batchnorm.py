@@ -212,7 +212,8 @@ def test_ddp_cnn_two_ranks_equals_full_batch_training(groups):
                          what=f"rank {r} {key} after 5 DDP steps", factor=100)
 
 
-def test_global_batch_of_one_value_raises_on_every_rank_and_of_none_is_empty(groups):
+def test_global_batch_of_one_value_raises_on_every_rank_and_of_none_or_no_channels_is_empty(
+        groups):
     for r, res in enumerate(groups["w2"](GROUP_TIMEOUT_S)):
         err = res[2]["one_value"]
         assert err is not None and "ValueError" in err["mro"], f"rank {r}: {err}"
@@ -223,6 +224,8 @@ def test_global_batch_of_one_value_raises_on_every_rank_and_of_none_is_empty(gro
         assert_bitwise_equal(empty["running_var"], np.ones(3))
         assert_bitwise_equal(empty["grad_weight"], np.zeros(3))
         assert_bitwise_equal(empty["grad_bias"], np.zeros(3))
+        # C = 0: empty results, as the plain layers give
+        assert res[2]["no_channels"] == {"y_shape": (4, 0, 2), "grad_shape": (4, 0, 2)}
 
 
 def test_layer_with_weight_but_no_bias(groups):

@@ -612,6 +612,23 @@ def test_manifest_tolerance_must_be_finite_and_non_negative(tmp_path, capsys, ke
     assert f"tolerances.dx.{key}" in err
 
 
+@pytest.mark.parametrize("scale", [0.0, None])
+def test_manifest_scale_must_be_positive_where_atol_is(tmp_path, capsys, scale):
+    """(Found by hostile testing.) A scale of 0, or none, beside an atol > 0: compare divided
+    by it (NumPy's warning, then an error about an array that named neither the manifest nor
+    the field)."""
+    out = write(tmp_path)
+    m = json.loads((out / "manifest.json").read_text())
+    assert m["tolerances"]["dx"]["atol"] > 0
+    if scale is None:
+        del m["tolerances"]["dx"]["scale"]
+    else:
+        m["tolerances"]["dx"]["scale"] = scale
+    (out / "manifest.json").write_text(json.dumps(m))
+    err = _one_line_exit_2(capsys, out)
+    assert "manifest.json: tolerances.dx.scale: expected a number > 0 where atol is > 0" in err
+
+
 # --------------------------------------------------------------------------- unusable manifests
 
 @pytest.mark.parametrize("text", ["[]", '"s"', "42", "null", "true", "{", "\xff",

@@ -773,6 +773,10 @@ def _parse_manifest(root: Path, path: Path, m: dict[str, Any]) -> GoldenVectors:
                                                      ("scale", 0.0))}
         except (ArgumentTypeError, ArgumentValueError) as e:
             raise UnusableInputError(f"vectors: {path}: {e}") from None
+        if tolerances[name]["atol"] > 0 and not tolerances[name]["scale"] > 0:
+            # (compare's per-channel atol is atol * (channel's scale / scale))
+            raise bad(f"tolerances.{name}.scale", "a number > 0 where atol is > 0 (atol = "
+                      "4*eps*scale)", t.get("scale"))
 
     if m["file_format"] == "npz":
         npz_path = _inside(root, NPZ_FILE, "vectors")

@@ -118,7 +118,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                 group: Any, world: int, layer: str) -> torch.Tensor:
         x = to_numpy(input, "input")
         n_channels = x.shape[1]
-        local_count = x.size // n_channels
+        local_count = x.size // n_channels if n_channels else 0
         if local_count:
             mean, var = _api.batch_norm_moments(x, channel_axis=1,
                                                 num_threads=torch.get_num_threads())
