@@ -470,6 +470,32 @@ def test_dsp_check_says_missing_and_unusable(tmp_path, capsys):
     assert "index.txt" in capsys.readouterr().err
 
 
+def test_dsp_check_refuses_outputs_of_another_case_than_the_manifests(tmp_path, capsys):
+    """(Found by hostile testing.) The harness runs what case.txt says; a case.txt edited to
+    another function (or core mask, size) gave a PASS for outputs the named function never
+    wrote (here: the expected values themselves). Now an ERROR naming the line; also without
+    a case.txt."""
+    root = suite(tmp_path, FEW[:1])
+    case = root / FEW[0]
+    for output, file in dsp_suite.OUTPUT_FILES.items():
+        shutil.copy(case / f"{output}.bin", case / file)
+    assert main(["dsp-check", str(root)]) == 0
+    assert capsys.readouterr().out.startswith(f"PASS    {FEW[0]}")
+    text = (case / "case.txt").read_text()
+    edits = [("\nfunction fp_batch_norm_grad_s", "\nfunction fp_batch_norm_grad_p", "function"),
+             ("\nbatch 4", "\nbatch 14", "batch"), ("\ncore_mask 0xff", "\ncore_mask 0x01",
+                                                      "core_mask")]  # (key lines, not comments)
+    for old, new, key in edits:
+        assert old in text
+        (case / "case.txt").write_text(text.replace(old, new, 1))
+        assert main(["dsp-check", str(root)]) == 2
+        out = capsys.readouterr().out
+        assert out.startswith(f"ERROR   {FEW[0]}") and f"case.txt says {key}:" in out, out
+    (case / "case.txt").unlink()
+    assert main(["dsp-check", str(root)]) == 2
+    assert "no case.txt: the harness reads the case from it" in capsys.readouterr().out
+
+
 def test_dsp_kit_refuses_to_overwrite(tmp_path, capsys):
     out = tmp_path / "kit"
     assert main(["dsp-kit", "--out", str(out)]) == 0

@@ -397,8 +397,48 @@ def _broke(root: Path) -> Optional[str]:
     return "; ".join(line for line in lines if line) or f"{BROKE_FILE} is empty"
 
 
+def _facts(text: str) -> dict[str, str]:
+    """The ``key value`` lines of a ``case.txt`` (comments and blank lines left out)."""
+    facts = {}
+    for line in text.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key and not key.startswith("#"):
+            facts.setdefault(key, value.strip())
+    return facts
+
+
+def _case_mismatch(root: Path) -> Optional[str]:
+    """Where ``case.txt``, which the harness runs, disagrees with the case the manifest
+    describes (its ``case_text``), in a sentence; None where they agree.
+
+    Raises ``vectors.UnusableInputError`` or ``OSError`` where either cannot be read."""
+    with open(vectors._inside(root, vectors.MANIFEST, "manifest"), "rb") as f:
+        try:
+            m = json.loads(f.read(1 << 20))
+            c = m["dsp_case"]
+            function = str(c["function"])
+            case = Case(m["dtype"], function[-1], m["batch"], m["channel"], m["distribution"],
+                        bool(m["is_train"]), 0xFF if c["core_mask"] is None else c["core_mask"],
+                        m["param_dtype"])
+            expected = _facts(case_text(case))
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            raise vectors.UnusableInputError(f"{root / vectors.MANIFEST}: not a DSP suite case's "
+                                             f"manifest ({type(e).__name__}: {e})") from None
+    if not os.path.lexists(root / CASE_FILE):
+        return f"no {CASE_FILE}: the harness reads the case from it"
+    with open(vectors._inside(root, CASE_FILE, CASE_FILE), "rb") as f:
+        got = _facts(f.read(1 << 16).decode("utf-8", "replace"))
+    for key, value in expected.items():
+        if got.get(key) != value:
+            said = "no such line" if key not in got else repr(got[key])[:60]
+            return (f"{CASE_FILE} says {key}: {said}, the manifest's case {key} {value!r}: the "
+                    "outputs are not of the case the vectors describe (write the suite again)")
+    return None
+
+
 def check_case(case_dir: PathLike, show: int = vectors.SHOW) -> CaseResult:
-    """Compare the harness's outputs in ``case_dir`` with its golden vectors."""
+    """Compare the harness's outputs in ``case_dir`` with its golden vectors (an ERROR where
+    ``case.txt``, which the harness ran, is not the case the manifest describes)."""
     root = Path(case_dir)
     try:
         broke = _broke(root)
@@ -419,8 +459,11 @@ def check_case(case_dir: PathLike, show: int = vectors.SHOW) -> CaseResult:
         for name, file in OUTPUT_FILES.items():  # read inside the case, as its vectors are
             vectors._inside(root, file, name)
         report = vectors.compare(root, files, show=show)
+        mismatch = _case_mismatch(root)
     except (vectors.UnusableInputError, ArgumentValueError, OSError) as e:
         return CaseResult(root.name, "ERROR", str(e))
+    if mismatch is not None:
+        return CaseResult(root.name, "ERROR", mismatch)
     return CaseResult(root.name, "PASS" if report.passed else "FAIL", _summary(report), report)
 
 
