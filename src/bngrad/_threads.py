@@ -147,9 +147,10 @@ class _ForkGate:
     code could be left counting a region that had ended, so that every later fork, or every
     later call from another thread, waited forever. A ``with`` statement releases a C lock
     whatever interrupts its body, and nothing can interrupt between the acquisition and the
-    body (Python checks for signals after calls and on loops only). Every wait is a lock's
-    acquire, which releases the GIL. The child, where only the forking thread survives, starts
-    with a fresh gate.
+    body (Python checks for signals after calls and on loops only). The fork's own steps, in
+    Python, run with the main thread's signals held back (_DeferSignals) and delivered when
+    the fork is done. Every wait is a lock's acquire, which releases the GIL. The child, where
+    only the forking thread survives, starts with a fresh gate.
     """
 
     def __init__(self) -> None:
@@ -173,10 +174,17 @@ class _ForkGate:
     def _new_lock(self) -> Any:
         lock = threading.RLock() if _LAUNCH_IS_THREAD_SAFE else _launch_lock
         with self._forking, self._registry:  # (not while a fork gathers the locks)
+            if len(self._locks) >= 64:  # (threads come and go: the ended ones' locks go too)
+                self._forget_ended_threads()
             self._locks[threading.get_ident()] = lock
             self._used = True
         self._local.lock = lock
         return lock
+
+    def _forget_ended_threads(self) -> None:
+        alive = {t.ident for t in threading.enumerate()}
+        for ident in [i for i in list(self._locks) if i not in alive]:
+            self._locks.pop(ident, None)
 
     def forking_here(self) -> bool:
         """Whether this thread is in os.fork()'s preparation (before_fork)."""
@@ -187,15 +195,23 @@ class _ForkGate:
         # lock, llvmlite's, LLVM's own) would stay held in the child, whose first call would
         # wait forever. So the fork also holds Numba's compiler lock, taken without waiting
         # while holding the gate locks (a thread that holds it may need a region to finish).
+        # Signals wait until the fork is done (on the main thread, where their handlers run):
+        # an exception a handler raised in the middle would leave gate locks held or unheld.
+        # One raised while the handlers are being swapped (or as this hook starts, when it
+        # does nothing) Python drops with a message, as every fork hook's: the fork is gated
+        # all the same (or, from the hook's first instruction, not at all: after_fork_* then
+        # do nothing either).
+        try:
+            _deferred_signals.on_start(None)
+        except BaseException:  # noqa: BLE001 - see above
+            pass
         compiler = _COMPILER_LOCK
         self._local.forking = True
         self._forking.acquire()
         while True:
             with self._registry:  # (threads that have ended hold no region)
-                alive = {t.ident for t in threading.enumerate()}
-                for ident in [i for i in self._locks if i not in alive]:
-                    del self._locks[ident]
-                locks = list({id(lock): lock for lock in self._locks.values()}.values())
+                self._forget_ended_threads()
+                locks = list({id(lock): lock for lock in list(self._locks.values())}.values())
             for lock in locks:
                 lock.acquire()
             if compiler is None or compiler.acquire(blocking=False):
@@ -205,31 +221,43 @@ class _ForkGate:
             compiler.acquire()  # (the compile in flight ends; then try again)
             compiler.release()
         self._held = locks
+        self._local.gated = True
         if self._used:
             _wait_for_native_threads_to_sleep()
 
     def after_fork_in_parent(self) -> None:
-        self._local.forking = False
+        if not getattr(self._local, "gated", False):  # (before_fork did not run: see there)
+            return
+        self._local.gated = self._local.forking = False
         if _COMPILER_LOCK is not None:
             _COMPILER_LOCK.release()
         held, self._held = self._held, []
         for lock in reversed(held):
             lock.release()
         self._forking.release()
+        _deferred_signals.on_end(None)  # (and the signals recorded meanwhile are delivered)
 
     def after_fork_in_child(self) -> None:
         global _launch_lock
-        self._local.forking = False
+        if not getattr(self._local, "gated", False):  # (before_fork did not run: see there)
+            return
+        self._local.gated = self._local.forking = False
         if _COMPILER_LOCK is not None:
             _COMPILER_LOCK.release()  # (this thread's, from the fork)
-        own = getattr(self._local, "lock", None)
-        if own is not None:
-            own.release()  # (the fork's hold; a region this thread is in still holds it)
+        _deferred_signals.forget_pending()  # (the parent's signals, delivered there)
+        # Only this thread is left. The fork holds every gate lock there was (the other
+        # threads' go with them); this thread's own it releases, which a region it is in
+        # still holds (a lock a signal handler's call made while the fork waited, it never took)
+        own: Any = getattr(self._local, "lock", None)
+        for lock in self._held:
+            if lock is own:
+                lock.release()
         self._reset()
         if own is not None:
             self._locks[threading.get_ident()] = own
-        elif not _LAUNCH_IS_THREAD_SAFE:  # nobody here holds it, whatever it was at the fork
+        elif not _LAUNCH_IS_THREAD_SAFE:  # (the fork's, held for the other threads)
             _launch_lock = threading.RLock()
+        _deferred_signals.on_end(None)
 
 
 _fork_gate = _ForkGate()
@@ -305,6 +333,10 @@ class _DeferSignals(_numba_event.Listener):
 
     def _record(self, signum: int, frame: Any) -> None:
         self._pending.append(signum)
+
+    def forget_pending(self) -> None:
+        """Drop the signals recorded so far (a forked child's copy of its parent's)."""
+        self._pending = []
 
     # Also a context manager, for the start of Numba's threading layer (its own lock, and a
     # handler's exception there is taken for an OS error: a warning and no process lock)

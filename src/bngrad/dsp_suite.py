@@ -399,7 +399,7 @@ def _broke(root: Path) -> Optional[str]:
 
 def _facts(text: str) -> dict[str, str]:
     """The ``key value`` lines of a ``case.txt`` (comments and blank lines left out)."""
-    facts = {}
+    facts: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.strip().partition(" ")
         if key and not key.startswith("#"):
