@@ -33,8 +33,9 @@ GRIDS = [
     ("fused", (9, 5, 40), 1, dict(tile=80), "fused"),
     ("short", (11, 5, 40), 1, dict(tile=120, short_group_lanes=80), "short"),
     ("lanes", (11, 5, 6), 1, dict(tile=60, min_block_rows=2), "lanes"),
-    # channels-last rows, folded for reductions with a leftover piece (input chlast)
-    ("nhwc", (5, 6, 3, 3), 1, dict(fold_lanes=24, elemt_lanes=12, tile=24, min_block_rows=4,
+    # channels-last rows, folded for reductions with a leftover piece (input chlast; 175
+    # rows, as no fold down to half as wide divides them)
+    ("nhwc", (5, 6, 5, 7), 1, dict(fold_lanes=24, elemt_lanes=12, tile=24, min_block_rows=4,
                                    column_group=16), None),
     ("2-D", (45, 7), 1, dict(fold_lanes=14, elemt_lanes=14, tile=28, min_block_rows=4), None),
 ]

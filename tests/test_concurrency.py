@@ -395,7 +395,8 @@ def test_fork_from_a_signal_handler_during_a_call():
 # A signal handler that calls bngrad while its thread is inside os.fork()'s preparation
 # (bngrad's before-fork hook waits there for another thread's call, or for the pool's threads
 # to sleep): the handler's call waited for the fork, which waited for the handler (a hang), or,
-# where the fork held Numba's compiler lock, was refused as nested in a compile.
+# where the fork held Numba's compiler lock, was refused as nested in a compile. (Signals now
+# wait until the fork is done, and the handler calls after it.)
 _CALL_IN_FORK_SCRIPT = """
 import os, signal, sys, threading, time
 import numpy as np

@@ -32,9 +32,10 @@ GRIDS = [
     ("blocks", (11, 5, 40), "contig", dict(tile=200, short_group_lanes=80), kernels.PATHS),
     # runs of 70 in segments of 32 (32, 32, 6), one row per block
     ("segments", (3, 3, 70), "contig", dict(tile=32, short_group_lanes=80), kernels.PATHS),
-    # NHWC (45, 6) rows: 4 folded into 24 lanes for reductions (2 row blocks of 6, column
-    # groups of 16 + 8), 2 into 12 for elementwise passes; 1 leftover row each
-    ("nhwc-folded", (5, 6, 3, 3), "chlast",
+    # NHWC (35, 6) rows: 4 folded into 24 lanes for reductions (2 row blocks of 4, column
+    # groups of 16 + 8; 3 leftover rows), 2 into 12 for elementwise passes (1 leftover row);
+    # 35 rows, as no fold down to half as wide divides them (kernels._plan._lane_pieces)
+    ("nhwc-folded", (1, 6, 5, 7), "chlast",
      dict(fold_lanes=24, elemt_lanes=12, tile=24, min_block_rows=4, column_group=16),
      ("lanes",)),
 ]

@@ -136,8 +136,7 @@ class _ForkGate:
     it holds for each region (nested ones re-enter it), and fork() takes every thread's gate
     lock (its own too), waiting for each region in flight to end; a thread that enters a
     region meanwhile waits for the fork. A lock held by the forking thread itself is re-entered
-    there: a fork from inside a region, or a call on the forking thread while it prepares the
-    fork (a signal handler's, run while fork() waits here), goes on without waiting for itself.
+    there: a fork from inside a region goes on without waiting for itself.
     With Numba's workqueue layer, which is not thread-safe, every thread's gate lock is the one
     launch lock, which serialises the launches too.
 

@@ -37,9 +37,8 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "Ker
            "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
            "copy_rows", "elementwise", "forced_path", "forward_train", "inv_std", "moments",
            "normalize_coefficients", "one_call_backward", "one_call_forward", "override",
-           "param_grads", "plan",
-           "reduce", "reduce_block_rows",
-           "train_coefficients", "transpose_last_two", "update_running_stats"]
+           "param_grads", "plan", "reduce", "reduce_block_rows", "train_coefficients",
+           "transpose_last_two", "update_running_stats"]
 
 # Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
 # of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them on Numba's pool

@@ -5,8 +5,9 @@ cached :class:`KernelPlan` (docs/internals.md maps shapes to paths, with example
 
 - ``lanes``: 2-D rows, and channels-first runs shorter than ``short_run`` viewed as rows of
   ``C*B`` lanes (but wide rows of runs of ``wide_run`` or more in few rows: ``short``).
-  Narrow channels-last rows are folded (``k`` rows into one, a view; the
-  ``M % k`` leftover rows are a second piece). Lane sums go to their channel in lane order;
+  Narrow channels-last rows are folded (``k`` rows into one, a view; rather a ``k`` down to
+  half as large that divides M, else the ``M % k`` leftover rows are a second piece). Lane
+  sums go to their channel in lane order;
 - ``short``: runs of ``short_run..fused_min_run`` (and the wide rows above), an item per
   group of whole channels;
 - ``fused_short``: as ``short``, but the training backward and forward reduce a group of
@@ -293,6 +294,10 @@ def _lane_pieces(cfg: Config, shape: tuple[int, ...], min_lanes: int, reduce: bo
     fold = min(M, _ceil_div(min_lanes, max(C, 1)))
     if C == 0 or fold <= 1:
         return (piece(0, M, None, 1, C),) if M else ()
+    # rather a fold down to half as wide that divides the rows: one piece, which a small call
+    # takes in one compiled call (KernelPlan.one_call), where two pieces cost it a dozen
+    # Python steps ((196, 256): 4 x 7 x 7 maps, channels-last)
+    fold = next((k for k in range(fold, fold // 2, -1) if M % k == 0), fold)
     cut = M - M % fold
     pieces = [piece(0, cut, "tile", fold, fold * C)]
     if cut < M:
@@ -313,8 +318,8 @@ def _plan(shape: tuple[int, ...], threads: int, cfg: Config, forced: Optional[st
     if forced not in (None, "lanes") and len(shape) == 2:
         raise ValueError(f"path {forced!r} needs channels-first (A, C, B) data, got {shape}")
     elements = math.prod(shape)
-    serial = _runs_serial(cfg, elements, threads)
     if len(shape) == 2 or forced == "lanes" or (forced is None and _runs_as_lanes(cfg, shape)):
+        serial = _runs_serial(cfg, elements, threads)
         reduce_pieces = _lane_pieces(cfg, shape, cfg.fold_lanes, True, threads)
         elemt_pieces = _lane_pieces(cfg, shape, cfg.elemt_lanes, False, threads)
         if len(reduce_pieces) != 1 or len(elemt_pieces) != 1:
