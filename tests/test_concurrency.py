@@ -707,8 +707,9 @@ def test_importing_bngrad_imports_what_a_call_would_import_lazily():
 # state (a Condition's lock, a count of regions in flight) was left held or counting a region
 # that had ended when an exception landed between its steps: every later call from another
 # thread, or every fork, then waited forever (3 runs of 3, after 90-260 interrupted calls).
-_INTERRUPTED_REGIONS_SCRIPT = """
-import os, random, signal, sys, threading
+# (the scripts' start: an alarm whose handler raises while armed)
+_ARMED_ALARM = """
+import os, random, signal, sys, threading, time
 import numpy as np
 import bngrad
 
@@ -719,6 +720,8 @@ def handler(signum, frame):
         raise KeyboardInterrupt
 
 signal.signal(signal.SIGALRM, handler)
+"""
+_INTERRUPTED_REGIONS_SCRIPT = _ARMED_ALARM + """
 rng = np.random.default_rng(0)
 x = rng.standard_normal((16, 32, 40, 40)).astype(np.float32)
 dy = rng.standard_normal(x.shape).astype(np.float32)
@@ -775,18 +778,7 @@ def test_exceptions_from_a_signal_handler_leave_calls_and_forks_working():
 # The main thread forks while alarms whose handler raises fire and another thread calls: an
 # exception landing in the fork hooks' bookkeeping left the fork ungated (a child hung, or the
 # next fork) or released locks it had not taken. Signals now wait until the fork is done.
-_FORKS_UNDER_INTERRUPTS_SCRIPT = """
-import os, random, signal, sys, threading, time
-import numpy as np
-import bngrad
-
-armed = [False]
-
-def handler(signum, frame):
-    if armed[0]:
-        raise KeyboardInterrupt
-
-signal.signal(signal.SIGALRM, handler)
+_FORKS_UNDER_INTERRUPTS_SCRIPT = _ARMED_ALARM + """
 x = np.random.default_rng(0).standard_normal((16, 32, 40, 40)).astype(np.float32)
 expected = bngrad.batch_norm_backward(x, x)
 stop = threading.Event()
