@@ -829,3 +829,118 @@ def test_forks_interrupted_by_a_signal_handlers_exception_stay_gated():
     and so does the calling thread (the old gate: a child hung within a few dozen forks)."""
     code, output = _run_script(_FORKS_UNDER_INTERRUPTS_SCRIPT, {})
     assert code == 0 and "forks under interrupts ok" in output, output[-2000:]
+
+
+# Two forks at once: the main thread's from a signal handler in the middle of a call (inside a
+# parallel region, holding its gate lock), another thread's in a loop. The other fork held
+# the one-fork-at-a-time lock and waited for the main thread's gate lock, the main thread's
+# fork waited for that lock: both for ever, at the first such pair (found by a review helper).
+_TWO_FORKS_SCRIPT = """
+import os, signal, sys, threading, time
+import numpy as np
+import bngrad
+
+x = np.random.default_rng(0).standard_normal((32, 64, 64, 64)).astype(np.float32)
+bngrad.batch_norm_backward(x, x)
+counts = {"handler": 0, "thread": 0}
+
+def fork_and_reap(key):
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    counts[key] += 1
+
+def handler(signum, frame):
+    fork_and_reap("handler")
+    signal.setitimer(signal.ITIMER_REAL, 0.005)  # (re-armed here: never nested)
+
+stop = threading.Event()
+
+def forker():
+    while not stop.is_set():
+        fork_and_reap("thread")
+
+signal.signal(signal.SIGALRM, handler)
+thread = threading.Thread(target=forker, daemon=True)
+thread.start()
+signal.setitimer(signal.ITIMER_REAL, 0.005)
+end = time.monotonic() + 3
+while time.monotonic() < end:
+    bngrad.batch_norm_backward(x, x)
+signal.setitimer(signal.ITIMER_REAL, 0)
+stop.set()
+thread.join(30)
+assert not thread.is_alive() and counts["handler"] >= 10 and counts["thread"] >= 10, counts
+print("two forks ok", counts)
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
+                    reason="needs os.fork and signal.setitimer")
+def test_a_fork_from_inside_a_call_and_another_threads_fork_at_once():
+    code, output = _run_script(_TWO_FORKS_SCRIPT, {})
+    assert code == 0 and "two forks ok" in output, output[-2000:]
+
+
+# Calls that set Numba's thread count (num_threads other than the count in force) under raising
+# alarms, then a fork from another thread; and a thread started outside the threading module
+# (not in threading.enumerate()) inside a region when another thread forks: the fork must wait
+# for it (found by a review helper: the gate's lock was left held by the former, the latter's
+# forgotten).
+_COUNTS_AND_FOREIGN_THREADS_SCRIPT = _ARMED_ALARM + """
+import _thread
+import numba
+from bngrad import _threads
+
+numba.set_num_threads(1)
+x = np.random.default_rng(0).standard_normal((8, 32, 32, 32)).astype(np.float32)
+expected = bngrad.batch_norm_backward(x, x, num_threads=2)
+random.seed(0)
+for i in range(400):
+    armed[0] = True
+    signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00002, 0.0005))
+    try:
+        bngrad.batch_norm_backward(x, x, num_threads=2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+lock = _threads._fork_gate.lock()
+assert lock.acquire(blocking=False), "this thread's gate lock was left held"
+lock.release()
+entered, release = threading.Event(), threading.Event()
+
+def foreign():
+    with _threads.gate():
+        entered.set()
+        release.wait(10)
+
+_thread.start_new_thread(foreign, ())
+entered.wait(10)
+threading.Timer(0.5, release.set).start()
+codes = []
+
+def fork_and_wait():
+    start = time.monotonic()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if all(np.array_equal(g, e) for g, e in zip(
+            bngrad.batch_norm_backward(x, x, num_threads=2), expected)) else 1)
+    codes.append((os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), time.monotonic() - start))
+
+forker = threading.Thread(target=fork_and_wait, daemon=True)
+forker.start()
+forker.join(30)
+assert not forker.is_alive(), "the fork hung"
+assert codes[0][0] == 0 and codes[0][1] >= 0.4, codes  # (it waited for the foreign region)
+print("counts and foreign threads ok")
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
+                    reason="needs os.fork and signal.setitimer")
+def test_thread_count_calls_under_alarms_and_foreign_threads_keep_the_gate():
+    code, output = _run_script(_COUNTS_AND_FOREIGN_THREADS_SCRIPT, {})
+    assert code == 0 and "counts and foreign threads ok" in output, output[-2000:]

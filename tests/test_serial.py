@@ -178,7 +178,7 @@ def test_serial_calls_never_touch_the_thread_pool():
 
 def test_parallel_calls_still_enter_the_region():
     """The converse, so that the test above cannot pass vacuously: a call above the threshold
-    on 2 threads holds this thread's fork-gate lock (bngrad._threads.region)."""
+    on 2 threads holds this thread's fork-gate lock (bngrad._threads.gate)."""
     if bngrad._threads.resolve_num_threads(2) < 2:
         pytest.skip("one core: every call is serial")
     x = np.zeros((64, 64, 32, 32), np.float32)

@@ -16,6 +16,7 @@ children it warns about run normally (60 forks under 4 calling threads, 2026-12-
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import site
@@ -140,16 +141,16 @@ class _ForkGate:
     With Numba's workqueue layer, which is not thread-safe, every thread's gate lock is the one
     launch lock, which serialises the launches too.
 
-    The lock is a C lock held by a ``with`` statement (:func:`bngrad.kernels.region`), not state
-    kept by Python code: an exception raised by a signal handler (KeyboardInterrupt, a timeout)
-    can interrupt Python code between any two calls, and a count or flag updated by Python
-    code could be left counting a region that had ended, so that every later fork, or every
-    later call from another thread, waited forever. A ``with`` statement releases a C lock
-    whatever interrupts its body, and nothing can interrupt between the acquisition and the
-    body (Python checks for signals after calls and on loops only). The fork's own steps, in
-    Python, run with the main thread's signals held back (_DeferSignals) and delivered when
-    the fork is done. Every wait is a lock's acquire, which releases the GIL. The child, where
-    only the forking thread survives, starts with a fresh gate.
+    The lock is a C lock held by a ``with`` statement (:func:`gate`), not state kept by Python
+    code: an exception raised by a signal handler (KeyboardInterrupt, a timeout) can interrupt
+    Python code between any two calls, and a count or flag updated by Python code could be
+    left counting a region that had ended, so that every later fork, or every later call from
+    another thread, waited forever. A ``with`` statement releases a C lock whatever
+    interrupts its body, and nothing can interrupt between the acquisition and the body
+    (Python checks for signals after calls and on loops only). The fork's own steps, in
+    Python, run with the main thread's signals held back (_DeferSignals; see before_fork).
+    Every wait is a lock's acquire, which releases the GIL. The child, where only the forking
+    thread survives, starts with a fresh gate.
     """
 
     def __init__(self) -> None:
@@ -163,7 +164,8 @@ class _ForkGate:
         # while the fork waits, on a thread that holds them
         self._registry = threading.RLock()
         self._forking = threading.RLock()  # one fork at a time
-        self._held: list[Any] = []  # the gate locks a fork in progress holds
+        self._forkers: set[int] = set()  # threads in before_fork (waiting, or forking)
+        self._held: list[Any] = []  # what a fork in progress holds: _forking, the gate locks
 
     def lock(self) -> Any:
         """This thread's gate lock, to hold (``with``) around a parallel region."""
@@ -181,7 +183,9 @@ class _ForkGate:
         return lock
 
     def _forget_ended_threads(self) -> None:
-        alive = {t.ident for t in threading.enumerate()}
+        # (threads with a Python frame: every thread inside a region has one, those started
+        # outside the threading module too, which threading.enumerate() leaves out)
+        alive = set(sys._current_frames())
         for ident in [i for i in list(self._locks) if i not in alive]:
             self._locks.pop(ident, None)
 
@@ -194,25 +198,29 @@ class _ForkGate:
         # lock, llvmlite's, LLVM's own) would stay held in the child, whose first call would
         # wait forever. So the fork also holds Numba's compiler lock, taken without waiting
         # while holding the gate locks (a thread that holds it may need a region to finish).
-        # Signals wait until the fork is done (on the main thread, where their handlers run):
-        # an exception a handler raised in the middle would leave gate locks held or unheld.
-        # One raised while the handlers are being swapped (or as this hook starts, when it
-        # does nothing) Python drops with a message, as every fork hook's: the fork is gated
-        # all the same (or, from the hook's first instruction, not at all: after_fork_* then
-        # do nothing either).
-        try:
-            _deferred_signals.on_start(None)
-        except BaseException:  # noqa: BLE001 - see above
-            pass
-        compiler = _COMPILER_LOCK
-        self._local.forking = True
-        self._forking.acquire()
+        # The main thread's signals (whose handlers run there) are held back for the fork's
+        # steps and delivered after them, in the after-fork hook, where Python drops a
+        # handler's exception with a message, as any fork hook's: an exception a handler
+        # raised in the middle of these steps would leave gate locks held. One raised before
+        # the handlers are held back (while they are swapped) is dropped, and they are held
+        # back again; one raised as this hook starts, or at that retry's loop, ends the hook
+        # before it takes anything: that fork is not gated, and after_fork_* do nothing.
         while True:
-            with self._registry:  # (threads that have ended hold no region)
-                self._forget_ended_threads()
-                locks = list({id(lock): lock for lock in list(self._locks.values())}.values())
-            for lock in locks:
-                lock.acquire()
+            try:
+                _deferred_signals.on_start(None)
+                break
+            except BaseException:  # noqa: BLE001 - see above (a fork hook's: dropped anyway)
+                continue
+        compiler = _COMPILER_LOCK
+        me = threading.get_ident()
+        self._local.forking = True
+        with self._registry:
+            self._forkers.add(me)
+        while True:
+            locks = self._take_gate_locks(me)
+            if locks is None:  # (it gave way to another fork: see there)
+                time.sleep(0.001)
+                continue
             if compiler is None or compiler.acquire(blocking=False):
                 break
             for lock in reversed(locks):
@@ -224,6 +232,32 @@ class _ForkGate:
         if self._used:
             _wait_for_native_threads_to_sleep()
 
+    def _take_gate_locks(self, me: int) -> Optional[list[Any]]:
+        """One fork at a time (``_forking``), every thread's gate lock (waiting for the regions
+        in flight); returns them, ``_forking`` first. Or None, having given back what it took,
+        where it waits for a lock while another thread is forking too: one forking from inside
+        a region (a signal handler's fork, on the main thread) holds its own lock and waits
+        for ``_forking``, and both would wait for ever (the other then tries again)."""
+        while not self._forking.acquire(timeout=0.002):
+            pass  # (a thread forking from inside a region waits here, holding its own lock)
+        taken = [self._forking]
+        with self._registry:  # (threads that have ended hold no region)
+            self._forget_ended_threads()
+            locks = list({id(lock): lock for lock in list(self._locks.values())}.values())
+        for lock in locks:
+            while not lock.acquire(timeout=0.002):
+                if len(self._forkers) > 1:
+                    for held in reversed(taken):
+                        held.release()
+                    return None
+            taken.append(lock)
+        return taken
+
+    def before_fork_unless_done(self) -> None:
+        """before_fork again, where it did not run (see the hooks' registration)."""
+        if not getattr(self._local, "gated", False):
+            self.before_fork()
+
     def after_fork_in_parent(self) -> None:
         if not getattr(self._local, "gated", False):  # (before_fork did not run: see there)
             return
@@ -231,9 +265,10 @@ class _ForkGate:
         if _COMPILER_LOCK is not None:
             _COMPILER_LOCK.release()
         held, self._held = self._held, []
-        for lock in reversed(held):
+        for lock in reversed(held):  # (the gate locks, then _forking)
             lock.release()
-        self._forking.release()
+        with self._registry:
+            self._forkers.discard(threading.get_ident())
         _deferred_signals.on_end(None)  # (and the signals recorded meanwhile are delivered)
 
     def after_fork_in_child(self) -> None:
@@ -261,6 +296,10 @@ class _ForkGate:
 
 _fork_gate = _ForkGate()
 if hasattr(os, "register_at_fork"):
+    # Before-fork hooks run last registered first: this one runs after before_fork, and takes
+    # the gate where an exception a signal handler raised as before_fork started (Python checks
+    # for signals as a function starts) ended it before it took anything.
+    os.register_at_fork(before=_fork_gate.before_fork_unless_done)
     os.register_at_fork(before=_fork_gate.before_fork,
                         after_in_parent=_fork_gate.after_fork_in_parent,
                         after_in_child=_fork_gate.after_fork_in_child)
@@ -352,64 +391,48 @@ _deferred_signals = _DeferSignals()
 _numba_event.register("numba:compiler_lock", _deferred_signals)
 
 
-class parallel_region:
-    """Run the enclosed kernels on ``num_threads`` threads (None: all), safely: this thread's
-    fork-gate lock held (see _ForkGate), and Numba's thread count set where it differs.
+def gate() -> Any:
+    """The fork gate's lock for a parallel call of this thread, to hold by a ``with`` statement
+    of the lock itself around its kernels (see _ForkGate: nothing can leave it held)."""
+    return _fork_gate.lock()
 
-    Numba's thread count is thread-local, so concurrent callers do not disturb each other.
-    The count is capped at the size of Numba's pool (NUMBA_NUM_THREADS, the machine's cores)
-    and set only where it differs from the count in force. A call whose count is the one in
-    force holds only the gate lock, by a ``with`` of the lock itself (:func:`region`), which
-    nothing can leave held; this class, Python code, can be interrupted by an exception from a
-    signal handler between its steps, and is for calls that change the count. A class rather
-    than a generator-based context manager: it costs less.
-    """
 
-    __slots__ = ("_wanted", "_previous", "_lock")
+class _ThreadCount:
+    """Numba's thread count set to ``wanted`` for the enclosed launches, and set back. A class
+    rather than a generator-based context manager: it costs less. Python code: an exception
+    from a signal handler between its steps can leave the count changed on this thread (the
+    gate's lock, held apart by :func:`gate`, cannot be left held)."""
 
-    def __init__(self, num_threads: Optional[int]) -> None:
-        self._wanted = num_threads
+    __slots__ = ("_wanted", "_previous")
+
+    def __init__(self, wanted: int) -> None:
+        self._wanted = wanted
         self._previous: Optional[int] = None
-        self._lock: Optional[Any] = None
 
     def __enter__(self) -> None:
-        lock = _fork_gate.lock()
-        lock.acquire()
-        self._lock = lock
-        try:
-            if self._wanted is not None:
-                wanted = min(self._wanted, numba.config.NUMBA_NUM_THREADS)
-                previous = current_num_threads()
-                if wanted != previous:
-                    numba.set_num_threads(wanted)
-                    self._previous = previous
-        except BaseException:
-            self._leave()
-            raise
+        previous = current_num_threads()
+        if self._wanted != previous:
+            numba.set_num_threads(self._wanted)
+            self._previous = previous
 
     def __exit__(self, *exc: object) -> None:
-        self._leave()
-
-    def _leave(self) -> None:
-        try:
-            if self._previous is not None:
-                numba.set_num_threads(self._previous)
-                self._previous = None
-        finally:
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+        if self._previous is not None:
+            numba.set_num_threads(self._previous)
+            self._previous = None
 
 
-def region(num_threads: Optional[int]) -> Any:
+_SAME_COUNT = contextlib.nullcontext()
+
+
+def thread_count(num_threads: Optional[int]) -> Any:
     """What a parallel call on ``num_threads`` threads (None: the count in force) runs its
-    kernels in (``with``): this thread's fork-gate lock itself where that count is the one in
-    force (the common case, and safe from a signal handler's exception: see _ForkGate), else
-    a :class:`parallel_region`."""
-    if num_threads is None or (min(num_threads, numba.config.NUMBA_NUM_THREADS)
-                               == current_num_threads()):
-        return _fork_gate.lock()
-    return parallel_region(num_threads)
+    kernels in, inside its :func:`gate`: Numba's thread count set where it differs (capped
+    at the size of Numba's pool, NUMBA_NUM_THREADS); thread-local, so concurrent callers do
+    not disturb each other."""
+    if num_threads is None:
+        return _SAME_COUNT
+    wanted = min(num_threads, numba.config.NUMBA_NUM_THREADS)
+    return _SAME_COUNT if wanted == current_num_threads() else _ThreadCount(wanted)
 
 
 def resolve_num_threads(num_threads: Optional[int]) -> int:

@@ -153,7 +153,7 @@ def batch_norm_moments(input: Any, *, channel_axis: int = 1, num_threads: Option
     if count == 0:
         return np.full(n_channels, np.nan), np.full(n_channels, np.nan)
     layout = plan(input, None, axis, resolve_num_threads(threads), chunked=True)
-    with kernels.region(layout.kernel):
+    with kernels.region(layout.kernel), kernels.thread_count(layout.kernel):
         return _moments(layout, input, axis, count)
 
 
@@ -246,7 +246,7 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     plain = side_input is None and relu is None
     kernel = _direct(known, threads, out, forward=True) if plain and train and count else None
     if kernel is not None and known is not None:  # views and the kernels' calls
-        with kernels.region(kernel):
+        with kernels.region(kernel), kernels.thread_count(kernel):
             x = kernel_input(input, known.layout)
             out_kernel, output = _output_view(out, input, known.layout)
             fused = kernels.forward_train(kernel, x, out_kernel, scale_weight, shift_bias, eps,
@@ -260,7 +260,7 @@ def _forward(input: Any, weight: Any, bias: Any, running_mean: Any, running_var:
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, None, layout.layout))
     # inf data gives NaN, as in torch, and no warning: the kernels never warn (no errstate here)
-    with kernels.region(layout.kernel):
+    with kernels.region(layout.kernel), kernels.thread_count(layout.kernel):
         out_kernel, output = layout.output(input.shape, input.dtype, out)
         z = None if side_input is None else layout.canonical(side_input)
         mask_kernel: kernels.Aux = None
@@ -402,7 +402,7 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
               if plain and train and mask[0] and count else None)
     if kernel is not None and known is not None and save_mean is not None and (
             save_invstd is not None):  # views and the kernels' calls
-        with kernels.region(kernel):
+        with kernels.region(kernel), kernels.thread_count(kernel):
             x, dy = kernel_input(input, known.layout), kernel_input(grad_out, known.layout)
             out_kernel, result = _output_view(out, input, known.layout)
             invstd = save_invstd.astype(np.float64)
@@ -420,7 +420,7 @@ def _backward(grad_out: Any, input: Any, weight: Any, running_mean: Any, running
                                               or not np.may_share_memory(out, record)))
     if known is None:
         _calls.remember(signature, _calls.Known(axis, count, spec, out_dtype, layout.layout))
-    with kernels.region(layout.kernel):
+    with kernels.region(layout.kernel), kernels.thread_count(layout.kernel):
         y: kernels.Aux = None if relu is None else layout.canonical(relu)
         if relu_bits is not None:  # flat index 0: x's first element, in the mask's order
             y = (relu_bits, 0)
@@ -516,7 +516,7 @@ def batch_norm_backward_reduce(grad_out: Any, input: Any, mean: Any, invstd: Any
         sum_dy, sum_dy_xmu = np.zeros(n_channels), np.zeros(n_channels)
     else:
         layout = plan(input, grad_out, axis, resolve_num_threads(threads), chunked=True)
-        with kernels.region(layout.kernel):
+        with kernels.region(layout.kernel), kernels.thread_count(layout.kernel):
             sum_dy, sum_dy_xmu = kernels.reduce(layout.kernel, layout.x, layout.grad,
                                                 mean.astype(np.float64))
     grad_weight, grad_bias = kernels.param_grads(sum_dy, sum_dy_xmu, invstd.astype(np.float64),
@@ -569,7 +569,7 @@ def batch_norm_backward_elemt(grad_out: Any, input: Any, mean: Any, invstd: Any,
     coef = kernels.train_coefficients(f64["sum_dy"], f64["sum_dy_xmu"], f64["mean"],
                                       f64["invstd"], _f64(weight, n_channels, 1.0), total,
                                       _dtypes.compute_dtype(input.dtype))
-    with kernels.region(layout.kernel):
+    with kernels.region(layout.kernel), kernels.thread_count(layout.kernel):
         grad_kernel, grad_input = layout.output(input.shape, input.dtype, out)
         if input.size:
             kernels.elementwise(layout.kernel, grad_kernel, coef, layout.x, layout.grad)

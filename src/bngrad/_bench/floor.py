@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit, prange, uint64
 
 from .. import _dtypes
-from .._threads import region
+from .._threads import gate, thread_count
 from ..errors import ArgumentValueError
 from ..kernels._cache import lock_cache_files
 from ..kernels._elements import as_kernel_array, from_float, to_float
@@ -100,7 +100,7 @@ def make_floor(grad_out: np.ndarray, input: np.ndarray, a: np.ndarray, b: np.nda
 
     def run() -> np.ndarray:
         out = np.empty(n, kernel_dtype) if fixed is None else fixed
-        with region(num_threads):
+        with gate(), thread_count(num_threads):
             kernel(out)
         return out
     return run

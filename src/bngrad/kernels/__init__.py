@@ -29,7 +29,7 @@ from . import _launch, _plan
 from . import batchnorm as k
 from ._elements import as_kernel_array, compute_dtype
 from ._ops import BIAS, GRAD_MEAN, MEAN, PROJ, SCALE
-from .._threads import region as _gate_region
+from .. import _threads
 from ._plan import (PATHS, Config, KernelPlan, LanePiece, _ceil_div, config, forced_path, override,
                     plan, runs_serial)
 
@@ -37,8 +37,8 @@ __all__ = ["BIAS", "GRAD_MEAN", "MEAN", "PATHS", "PROJ", "SCALE", "Config", "Ker
            "Operand", "RowSource", "as_kernel_array", "backward_train", "compute_dtype", "config",
            "copy_rows", "elementwise", "forced_path", "forward_train", "inv_std", "moments",
            "normalize_coefficients", "one_call_backward", "one_call_forward", "override",
-           "param_grads", "plan", "reduce", "reduce_block_rows", "train_coefficients",
-           "transpose_last_two", "update_running_stats"]
+           "param_grads", "plan", "reduce", "reduce_block_rows", "region", "thread_count",
+           "train_coefficients", "transpose_last_two", "update_running_stats"]
 
 # Who runs the work items (docs/internals.md, "How to add a threading backend"): a namespace
 # of launchers, each running items 0..n-1 of one kernel. ``launch`` runs them on Numba's pool
@@ -69,13 +69,18 @@ def _team(plan: KernelPlan) -> Optional[tuple[int, int, int]]:
 
 
 def region(plan: KernelPlan) -> ContextManager[Any]:
-    """What a call planned by ``plan`` runs its kernels inside (``with``): bngrad._threads'
-    region on the plan's threads (the fork gate's lock, and the thread count where it
-    differs), or, for a serial call, nothing: no native thread
-    is involved, so there is no thread count to set and nothing for the fork gate to guard
-    (a fork copies only the forking thread, and a serial kernel holds no lock of the pool's).
-    A parallel launch of a serial call's (the layout's copies) opens its own region."""
-    return _NO_REGION if plan.serial else _gate_region(plan.threads)
+    """What a call planned by ``plan`` runs its kernels inside (``with``, beside
+    :func:`thread_count`): the fork gate's lock (bngrad._threads.gate), or, for a serial call,
+    nothing: no native thread is involved, so there is nothing for the fork gate to guard (a
+    fork copies only the forking thread, and a serial kernel holds no lock of the pool's). A
+    parallel launch of a serial call's (the layout's copies) opens its own region."""
+    return _NO_REGION if plan.serial else _threads.gate()
+
+
+def thread_count(plan: KernelPlan) -> ContextManager[Any]:
+    """Numba's thread count for the plan's launches (bngrad._threads.thread_count), inside its
+    :func:`region`; nothing for a serial call."""
+    return _NO_REGION if plan.serial else _threads.thread_count(plan.threads)
 
 
 _NO_REGION = contextlib.nullcontext()
@@ -550,7 +555,7 @@ def copy_rows(source: np.ndarray, out: np.ndarray, threads: int) -> None:
     rows = max(1, config().copy_block // max(1, out.shape[1]))
     n = _ceil_div(out.shape[0], rows)
     run = launcher(runs_serial(out.size, threads), n)
-    with _NO_REGION if run is serial else _gate_region(threads):
+    with _parallel(run is not serial, threads):
         run.copy_rows(n, source, out, rows)
 
 
@@ -561,5 +566,16 @@ def transpose_last_two(source: np.ndarray, out: np.ndarray, threads: int) -> Non
     A, C, B = out.shape
     n = A * _ceil_div(C, k.TRANSPOSE_COLS) * _ceil_div(B, k.TRANSPOSE_ROWS)
     run = launcher(runs_serial(out.size, threads), n)
-    with _NO_REGION if run is serial else _gate_region(threads):
+    with _parallel(run is not serial, threads):
         run.transpose_last_two(n, source, out)
+
+
+@contextlib.contextmanager
+def _parallel(parallel: bool, threads: int) -> Iterator[None]:
+    """A layout copy's region and thread count where it runs in parallel (one launch: a
+    generator's cost does not matter here)."""
+    if not parallel:
+        yield
+        return
+    with _threads.gate(), _threads.thread_count(threads):
+        yield

@@ -50,7 +50,7 @@ kernels/batchnorm.py and the maths of _ops.py and _elements.py, so their cache s
 those files' contents (kernels._cache, and :func:`_stamped` for batchnorm.py): an edit there
 recompiles them instead of leaving stale code behind.
 
-Team size: the region's thread count (``bngrad._threads.parallel_region``, i.e. the caller's
+Team size: the region's thread count (``bngrad._threads.thread_count``, i.e. the caller's
 ``num_threads``: ``torch.get_num_threads()`` under bngrad.torch). On PyTorch's team, 1 in a
 process forked after bngrad._gomp was imported (a GNU OpenMP team does not survive fork();
 serial, same bits, never a hang: see bngrad._gomp).
@@ -290,7 +290,7 @@ _JIT: dict[str, Any] = dict(cache=True, nogil=True)
 
 @intrinsic
 def _region_threads(typingctx):
-    """Numba's thread-local thread count, which bngrad._threads.parallel_region sets from the
+    """Numba's thread-local thread count, which bngrad._threads.thread_count sets from the
     caller's ``num_threads``: the threading layer's ``get_num_threads``, called by its symbol
     name as Numba's own parallel loops call it (``numba.get_num_threads()`` in compiled code
     goes through a ctypes pointer, which Numba will not cache; from Python it costs 2-6 us)."""
@@ -383,7 +383,7 @@ _layer_ready = False
 def _start_layer() -> None:
     """Make Numba register its threading layer's symbols (``get_num_threads``,
     ``numba_parallel_for``), which the compiled launchers call by name, before the first one is
-    loaded: normally done already by bngrad._threads.parallel_region, around every parallel
+    loaded: normally done already by bngrad._threads.thread_count, around every parallel
     launch."""
     global _layer_ready
     numba.get_num_threads()
