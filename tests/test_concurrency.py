@@ -729,9 +729,9 @@ expected = bngrad.batch_norm_backward(dy, x)
 random.seed(0)
 interrupted = 0
 for i in range(1000):
-    armed[0] = True
-    signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00005, 0.003))
-    try:
+    try:  # (armed inside: an alarm before the try would end the script)
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00005, 0.003))
         bngrad.batch_norm_backward(dy, x)
         bngrad.batch_norm_forward(x)
     except KeyboardInterrupt:
@@ -791,9 +791,9 @@ thread = threading.Thread(target=busy, daemon=True)
 thread.start()
 random.seed(0)
 for i in range(200):
-    armed[0] = True
-    signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00001, 0.002))
-    try:
+    try:  # (armed inside: an alarm before the try would end the script)
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00001, 0.002))
         pid = os.fork()
         if pid == 0:
             got = bngrad.batch_norm_backward(x, x)
@@ -898,9 +898,9 @@ x = np.random.default_rng(0).standard_normal((8, 32, 32, 32)).astype(np.float32)
 expected = bngrad.batch_norm_backward(x, x, num_threads=2)
 random.seed(0)
 for i in range(400):
-    armed[0] = True
-    signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00002, 0.0005))
-    try:
+    try:  # (armed inside: an alarm before the try would end the script)
+        armed[0] = True
+        signal.setitimer(signal.ITIMER_REAL, random.uniform(0.00002, 0.0005))
         bngrad.batch_norm_backward(x, x, num_threads=2)
     except KeyboardInterrupt:
         pass
