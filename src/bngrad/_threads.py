@@ -203,9 +203,10 @@ class _ForkGate:
         # handler's exception with a message, as any fork hook's: an exception a handler
         # raised in the middle of these steps would leave gate locks held. One raised before
         # the handlers are held back (while they are swapped) is dropped, and they are held
-        # back again; one raised as this hook starts, or at that retry's loop, ends the hook
-        # before it takes anything: that fork is not gated, and after_fork_* do nothing.
-        while True:
+        # back again (a few times: then the fork goes on without); one raised as this hook
+        # starts, or at that retry's loop, ends the hook before it takes anything: that fork
+        # is not gated, and after_fork_* do nothing.
+        for _ in range(3):
             try:
                 _deferred_signals.on_start(None)
                 break
@@ -281,7 +282,7 @@ class _ForkGate:
         _deferred_signals.forget_pending()  # (the parent's signals, delivered there)
         # Only this thread is left. The fork holds every gate lock there was (the other
         # threads' go with them); this thread's own it releases, which a region it is in
-        # still holds (a lock a signal handler's call made while the fork waited, it never took)
+        # still holds
         own: Any = getattr(self._local, "lock", None)
         for lock in self._held:
             if lock is own:
