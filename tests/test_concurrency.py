@@ -22,6 +22,9 @@ import bngrad
 from conftest import make_case
 
 TIMEOUT = 120  # seconds; generous for a loaded 2-core machine, finite for a hang
+needs_fork_and_alarms = pytest.mark.skipif(
+    not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
+    reason="needs os.fork and signal.setitimer")
 
 
 def _bits(a):
@@ -385,8 +388,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
-                    reason="needs os.fork and signal.setitimer")
+@needs_fork_and_alarms
 def test_fork_from_a_signal_handler_during_a_call():
     code, output = _run_script(_FORK_IN_REGION_SCRIPT, {})
     assert code == 0 and "ok" in output, output[-2000:]
@@ -445,8 +447,7 @@ print("ok", len(calls))
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
-                    reason="needs os.fork and signal.setitimer")
+@needs_fork_and_alarms
 def test_call_in_a_signal_handler_while_its_thread_forks():
     code, output = _run_script(_CALL_IN_FORK_SCRIPT, {"NUMBA_NUM_THREADS": "2"})
     assert code == 0 and "ok" in output and "Exception ignored" not in output, output[-2000:]
@@ -765,8 +766,7 @@ print(interrupted, "interrupted calls ok")
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
-                    reason="needs os.fork and signal.setitimer")
+@needs_fork_and_alarms
 def test_exceptions_from_a_signal_handler_leave_calls_and_forks_working():
     """(Found by hostile testing.) After hundreds of calls interrupted at random points by an
     exception from a signal handler, a call from another thread and a fork from another
@@ -821,8 +821,7 @@ print("forks under interrupts ok")
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
-                    reason="needs os.fork and signal.setitimer")
+@needs_fork_and_alarms
 def test_forks_interrupted_by_a_signal_handlers_exception_stay_gated():
     """(Found while fixing the above.) 200 forks from the main thread, each with an alarm
     at a random point whose handler raises, while another thread calls: every child works,
@@ -876,8 +875,7 @@ print("two forks ok", counts)
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
-                    reason="needs os.fork and signal.setitimer")
+@needs_fork_and_alarms
 def test_a_fork_from_inside_a_call_and_another_threads_fork_at_once():
     code, output = _run_script(_TWO_FORKS_SCRIPT, {})
     assert code == 0 and "two forks ok" in output, output[-2000:]
@@ -939,8 +937,7 @@ print("counts and foreign threads ok")
 """
 
 
-@pytest.mark.skipif(not hasattr(signal, "setitimer") or not hasattr(os, "fork"),
-                    reason="needs os.fork and signal.setitimer")
+@needs_fork_and_alarms
 def test_thread_count_calls_under_alarms_and_foreign_threads_keep_the_gate():
     code, output = _run_script(_COUNTS_AND_FOREIGN_THREADS_SCRIPT, {})
     assert code == 0 and "counts and foreign threads ok" in output, output[-2000:]

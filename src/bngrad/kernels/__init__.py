@@ -74,13 +74,21 @@ def region(plan: KernelPlan) -> ContextManager[Any]:
     nothing: no native thread is involved, so there is nothing for the fork gate to guard (a
     fork copies only the forking thread, and a serial kernel holds no lock of the pool's). A
     parallel launch of a serial call's (the layout's copies) opens its own region."""
-    return _NO_REGION if plan.serial else _threads.gate()
+    return _gate_if(not plan.serial)
 
 
 def thread_count(plan: KernelPlan) -> ContextManager[Any]:
     """Numba's thread count for the plan's launches (bngrad._threads.thread_count), inside its
     :func:`region`; nothing for a serial call."""
-    return _NO_REGION if plan.serial else _threads.thread_count(plan.threads)
+    return _count_if(not plan.serial, plan.threads)
+
+
+def _gate_if(parallel: bool) -> ContextManager[Any]:
+    return _threads.gate() if parallel else _NO_REGION
+
+
+def _count_if(parallel: bool, threads: int) -> ContextManager[Any]:
+    return _threads.thread_count(threads) if parallel else _NO_REGION
 
 
 _NO_REGION = contextlib.nullcontext()
@@ -555,7 +563,7 @@ def copy_rows(source: np.ndarray, out: np.ndarray, threads: int) -> None:
     rows = max(1, config().copy_block // max(1, out.shape[1]))
     n = _ceil_div(out.shape[0], rows)
     run = launcher(runs_serial(out.size, threads), n)
-    with _parallel(run is not serial, threads):
+    with _gate_if(run is not serial), _count_if(run is not serial, threads):
         run.copy_rows(n, source, out, rows)
 
 
@@ -566,16 +574,5 @@ def transpose_last_two(source: np.ndarray, out: np.ndarray, threads: int) -> Non
     A, C, B = out.shape
     n = A * _ceil_div(C, k.TRANSPOSE_COLS) * _ceil_div(B, k.TRANSPOSE_ROWS)
     run = launcher(runs_serial(out.size, threads), n)
-    with _parallel(run is not serial, threads):
+    with _gate_if(run is not serial), _count_if(run is not serial, threads):
         run.transpose_last_two(n, source, out)
-
-
-@contextlib.contextmanager
-def _parallel(parallel: bool, threads: int) -> Iterator[None]:
-    """A layout copy's region and thread count where it runs in parallel (one launch: a
-    generator's cost does not matter here)."""
-    if not parallel:
-        yield
-        return
-    with _threads.gate(), _threads.thread_count(threads):
-        yield
