@@ -32,7 +32,9 @@ Each thread starts on its own contiguous share of the items (share ``t % shares`
 number ``t``, ``shares`` being the team's size, at most 64: ``omp_get_thread_num`` on PyTorch's
 team, the layer's ``get_thread_id`` on Numba's pool), claiming chunks of ``n // (8 shares)``
 items (at least 1) from that share's counter; when its share is done it claims what is left of
-the others'. A thread so keeps the same rows from one launch to the next (and to PyTorch's own
+the others'. The second passes (``kernels.batchnorm.LAST_TO_FIRST``) take each share's chunks,
+and the items in a chunk, last to first: the rows a first pass read last are the ones still in
+cache. A thread so keeps the same rows from one launch to the next (and to PyTorch's own
 elementwise operators, which split statically too), where they are still in its core's cache:
 an elementwise pass over 401,408 float32 elements whose halves swapped threads every call took
 87 us against 47 us (2026-12-01, 2-core EPYC). And a thread preempted by another process holds
@@ -87,8 +89,8 @@ _CHUNKS_PER_THREAD = 8
 
 
 def _worker(item: Any) -> Callable:
-    """``worker(lo, hi, args)``: items lo..hi-1 of ``item`` (compiled inside the launcher),
-    named after the item.
+    """``worker(lo, hi, args)``: items lo..hi-1 of ``item`` (compiled inside the launcher; hi-1
+    down to lo where kernels.batchnorm.last_to_first says), named after the item.
 
     Numba names a compiled function by its qualified name, its argument types and a counter of
     the process that compiled it, and links functions of one name as one. Every item's worker
@@ -97,9 +99,14 @@ def _worker(item: Any) -> Callable:
     cache, and a process that loaded both ran the first item's worker for the second (the
     ``fused_short`` forward running the ``fused`` forward's items: channels left unwritten,
     found 2026-12-04). Named after the item, each worker's name is its own."""
-    def worker(lo, hi, args):
-        for i in range(lo, hi):
-            item(i, *args)
+    if _items.last_to_first(item):
+        def worker(lo, hi, args):
+            for i in range(hi - 1, lo - 1, -1):
+                item(i, *args)
+    else:
+        def worker(lo, hi, args):
+            for i in range(lo, hi):
+                item(i, *args)
     worker.__qualname__ = f"_worker.<locals>.{item.py_func.__name__}_worker"
     return worker
 
@@ -226,6 +233,9 @@ def _run_items(typingctx, item, parallel, thread_num, team, n, args):
         ob.position_at_end(run)
         hi = ob.add(lo, chunk)
         hi = ob.select(ob.icmp_signed(">", hi, stop), stop, hi)
+        if _items.last_to_first(item.dispatcher):  # the part's chunks mirrored: last first
+            mirror = ob.add(start, stop)
+            lo, hi = ob.sub(mirror, hi), ob.sub(mirror, lo)
         # The status is dropped: an item cannot raise (no bounds checks; the kernels divide
         # only by sizes >= 1), and there is no Python on a team thread to receive it.
         context.call_internal_no_propagate(ob, cres.fndesc, worker_sig, [lo, hi, fn_args])

@@ -1026,6 +1026,28 @@ def _in_order(item, n, args):
     _hold(args)
 
 
+@njit(inline="always", **_JIT)
+def _last_to_first(item, n, args):
+    """item(i, *args) for i in n-1..0, on this thread (:data:`LAST_TO_FIRST`)."""
+    views = borrowed(args)
+    for i in range(n - 1, -1, -1):
+        item(i, *views)
+    _hold(args)
+
+
+# The second passes over data a first pass has just read (grad_input after the sums, the
+# normalized output after the moments) take their items last to first, on a team each thread
+# its own share last to first (kernels._launch): the first pass's last rows are the ones still
+# in cache, where in the first pass's order the second pass's own reads and writes evict each
+# row just before it is needed. Bits unchanged (each item writes only its own outputs).
+LAST_TO_FIRST = frozenset({"elementwise_runs_item", "elementwise_lanes_item"})
+
+
+def last_to_first(item: Any) -> bool:
+    """Whether the items of ``item`` (an njit dispatcher) run last to first."""
+    return item.py_func.__name__ in LAST_TO_FIRST
+
+
 @njit(**_JIT)
 def reduce_runs_serial(n, *args):
     _in_order(reduce_runs_item, n, args)
@@ -1043,12 +1065,12 @@ def reduce_lanes_serial(n, *args):
 
 @njit(**_JIT)
 def elementwise_runs_serial(n, *args):
-    _in_order(elementwise_runs_item, n, args)
+    _last_to_first(elementwise_runs_item, n, args)
 
 
 @njit(**_JIT)
 def elementwise_lanes_serial(n, *args):
-    _in_order(elementwise_lanes_item, n, args)
+    _last_to_first(elementwise_lanes_item, n, args)
 
 
 @njit(**_JIT)
@@ -1211,10 +1233,10 @@ def run_items(item: Any, launch: Any, n: Any, args: Any) -> None:
 @overload(run_items, inline="always")
 def _run_items_impl(item, launch, n, args):
     if isinstance(launch, types.NoneType):
-        call = item.dispatcher
+        call, loop = item.dispatcher, _last_to_first if last_to_first(item.dispatcher) else _in_order
 
         def on_this_thread(item, launch, n, args):
-            _in_order(call, n, args)
+            loop(call, n, args)
         return on_this_thread
     from ._launch import _run_items  # (kernels._launch imports this module)
 
