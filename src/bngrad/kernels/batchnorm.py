@@ -1233,7 +1233,8 @@ def run_items(item: Any, launch: Any, n: Any, args: Any) -> None:
 @overload(run_items, inline="always")
 def _run_items_impl(item, launch, n, args):
     if isinstance(launch, types.NoneType):
-        call, loop = item.dispatcher, _last_to_first if last_to_first(item.dispatcher) else _in_order
+        call = item.dispatcher
+        loop = _last_to_first if last_to_first(call) else _in_order
 
         def on_this_thread(item, launch, n, args):
             loop(call, n, args)
