@@ -432,3 +432,60 @@ def test_bfloat16_backward_where_float32_terms_overflow(path, shape):
     # sum_dy_xmu (~1e40) in the statistics' dtype, float32: beyond its range, so inf, signed
     assert (np.abs(ref_reduce[1]) > np.finfo(np.float32).max).all()
     assert np.array_equal(reduced[1], np.sign(ref_reduce[1]) * np.float32(np.inf))
+
+
+def _bits(arrays):
+    return [a.view(np.uint8).tobytes() for a in arrays]
+
+
+@pytest.mark.parametrize("out_of", ["grad_out", "input"])
+@pytest.mark.parametrize("paths, shape", [(("fused", "runs"), (4, 8, 300)),
+                                          (("fused_short", "short"), (4, 8, 40))])
+def test_bfloat16_overflow_into_an_operand_gives_the_same_bits_on_either_path(out_of, paths,
+                                                                              shape):
+    """Where grad_input's buffer is grad_out or input, a one-pass backward cannot take
+    bfloat16's overflowed sums again after writing it (NaN there, as PyTorch's); the
+    two-phase path of the same shape, which the thread count may pick instead, leaves them as
+    they are too (found by hostile testing: NaN on one thread, finite on two)."""
+    from bngrad import kernels
+    rng = np.random.default_rng(9)
+    x, dy = ((rng.standard_normal(shape) * 3e19).astype(np.float32).astype(BF16)
+             for _ in range(2))
+    mean, invstd = bngrad.batch_norm_forward(x, None, None)[1:]
+    results = []
+    for path in paths:
+        d, xx = dy.copy(), x.copy()
+        with kernels.forced_path(path), kernels.override(serial_elements=0):
+            got = bngrad.batch_norm_backward(d, xx, None, None, None, mean, invstd,
+                                             num_threads=2,
+                                             out=d if out_of == "grad_out" else xx)
+        results.append(_bits(got))
+    overflowed = ~np.isfinite(got[1])
+    assert overflowed.any()  # (the case it says)
+    assert np.isnan(got[0][:, overflowed].astype(np.float32)).all()
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("path, shape", [("lanes", (64, 8)), ("fused", (4, 8, 300)),
+                                         ("runs", (4, 8, 300)), ("fused_short", (4, 8, 40)),
+                                         ("short", (4, 8, 40))])
+def test_bfloat16_overflow_in_one_channel_leaves_the_others_bits(path, shape):
+    """The float64 terms are taken again in the channels whose float32 terms overflowed only:
+    the other channels' results are those of the same data without the overflow."""
+    from bngrad import kernels
+    rng = np.random.default_rng(1)
+    x, dy = (rng.standard_normal(shape).astype(np.float32).astype(BF16) for _ in range(2))
+    huge_x, huge_dy = x.copy(), dy.copy()
+    huge_x[:, 0] = (x[:, 0].astype(np.float32) * 1e20).astype(BF16)
+    huge_dy[:, 0] = (dy[:, 0].astype(np.float32) * 1e20).astype(BF16)
+    results = []
+    for data_x, data_dy in ((x, dy), (huge_x, huge_dy)):
+        mean, invstd = bngrad.batch_norm_forward(data_x, None, None)[1:]  # (channel 0's differ)
+        with kernels.forced_path(path), kernels.override(serial_elements=0):
+            got = bngrad.batch_norm_backward(data_dy, data_x, None, None, None, mean, invstd,
+                                             num_threads=2)
+        results.append(got)
+    assert np.isfinite(results[1][1]).all() and abs(float(results[1][1][0])) > 1e19
+    for plain, overflowed in zip(*results):  # channels 1.. (axis 1, or 0 of a gradient)
+        others = (slice(None), slice(1, None)) if plain.ndim > 1 else slice(1, None)
+        assert _bits([plain[others]]) == _bits([overflowed[others]])

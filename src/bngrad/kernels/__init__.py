@@ -227,17 +227,19 @@ def _lane_chunks(piece: LanePiece, block: int, x: Operand, dy: Optional[Operand]
 
 
 def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray,
-           shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
+           shift: Optional[np.ndarray] = None, y: Aux = None, widen: bool = True
+           ) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (None: 0,
     and the backward's sums of half data go through float32 blocks, kernels._ops, taken again
-    in float64 terms where bfloat16's overflowed: _wide_sums). ``dy`` None: the moments' sums
-    (sum d, sum d**2), d = x - mean, the values of dy = x and shift = mean in fewer operations.
-    Given ``y`` (the forward's output, mask bytes, or mask bits with the flat index of x's
-    first element), dy is first masked by the ReLU it records. Sources of rows give the bits
-    of the arrays they stand for (chunks of whole row blocks)."""
+    in float64 terms in the channels where bfloat16's overflowed, unless ``widen`` is False:
+    _widened). ``dy`` None: the moments' sums (sum d, sum d**2), d = x - mean, the values of
+    dy = x and shift = mean in fewer operations. Given ``y`` (the forward's output, mask
+    bytes, or mask bits with the flat index of x's first element), dy is first masked by the
+    ReLU it records. Sources of rows give the bits of the arrays they stand for (chunks of
+    whole row blocks)."""
     sums = _reduce(plan, x, dy, mean, shift, y)
-    if dy is not None and shift is None and _overflowed(x, sums):
-        return _wide_sums(plan, x, dy, mean, y)
+    if widen and dy is not None and shift is None and _overflowed(x, sums):
+        return _widened(plan, x, dy, mean, y, sums)
     return sums
 
 
@@ -249,13 +251,16 @@ def _overflowed(x: Operand, sums: tuple[np.ndarray, np.ndarray]) -> bool:
                                          and np.isfinite(sums[1]).all())
 
 
-def _wide_sums(plan: KernelPlan, x: Operand, dy: Operand, mean: np.ndarray, y: Aux
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """The backward's sums in float64 terms (a zero shift selects them; kernels._ops), for
-    bfloat16 data whose float32 terms overflowed: finite where the data are (as float32 data's
-    sums, and the reference's); inf or NaN where they are not. Rare, so compiled when first
-    needed."""
-    return _reduce(plan, x, dy, mean, np.zeros(x.shape[1]), y)
+def _widened(plan: KernelPlan, x: Operand, dy: Operand, mean: np.ndarray, y: Aux,
+             sums: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """The backward's ``sums`` over bfloat16 data, those of each channel whose float32 terms
+    overflowed (a sum not finite) taken again in float64 terms (a zero shift selects them;
+    kernels._ops): finite where the data are (as float32 data's sums, and the reference's);
+    inf or NaN where they are not. The other channels keep their sums, so that a channel's
+    bits never depend on another's data. Rare, so compiled when first needed."""
+    wide = _reduce(plan, x, dy, mean, np.zeros(x.shape[1]), y)
+    keep = np.isfinite(sums[0]) & np.isfinite(sums[1])
+    return np.where(keep, sums[0], wide[0]), np.where(keep, sums[1], wide[1])
 
 
 def _reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray,
@@ -523,8 +528,18 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
                 plan.fused_group, plan.span_loop, sum_dy, sum_dy_xmu, coef)
         return _rewritten_if_overflowed(plan, x, dy, out, mean, invstd, weight, count, dtype,
                                         y, aux, (sum_dy, sum_dy_xmu))
-    sums = reduce(plan, x, dy, mean, y=y)  # (wide where overflowed: before out is written)
+    # (widened where overflowed, before out is written; but as the one-pass paths, which
+    # cannot, where out is the memory of x, dy or the record: the same bits on every path)
+    sums = reduce(plan, x, dy, mean, y=y, widen=not _in_operands(out, x, dy, y))
     return _write_grad_input(plan, x, dy, out, mean, invstd, weight, count, dtype, y, aux, sums)
+
+
+def _in_operands(out: np.ndarray, x: Operand, dy: Operand, y: Aux) -> bool:
+    """Whether ``out`` may share memory with x, dy or the ReLU's record ``y`` (an out= of
+    grad_out, input or the forward's output, or grad_out copied into grad_input's buffer)."""
+    record = y[0] if isinstance(y, tuple) else y  # (mask bits: their array)
+    return any(isinstance(a, np.ndarray) and np.may_share_memory(out, a)
+               for a in (x, dy, record))
 
 
 def _write_grad_input(plan: KernelPlan, x: Operand, dy: Operand, out: np.ndarray,
@@ -542,16 +557,14 @@ def _rewritten_if_overflowed(plan: KernelPlan, x: np.ndarray, dy: np.ndarray, ou
                              sums: tuple[np.ndarray, np.ndarray]
                              ) -> tuple[np.ndarray, np.ndarray]:
     """After a pass that summed and wrote grad_input at once: where bfloat16's float32 terms
-    overflowed (_overflowed), the sums again in float64 terms and grad_input (and ``aux``)
-    written again with them, unless ``out`` is the memory of x, dy or the ReLU's record ``y``,
-    already overwritten (an out= of grad_out, input or the forward's output, or grad_out copied
-    into grad_input's buffer): NaN there, as PyTorch's."""
-    record = y[0] if isinstance(y, tuple) else y  # (mask bits: their array)
-    if not _overflowed(x, sums) or any(a is not None and np.may_share_memory(out, a)
-                                       for a in (x, dy, record)):
+    overflowed (_overflowed), those channels' sums again in float64 terms (_widened) and
+    grad_input (and ``aux``) written again with them, unless ``out`` is the memory of x, dy or
+    the ReLU's record ``y``, already overwritten (_in_operands): NaN there, as PyTorch's (and
+    as the two-phase path, which could widen, leaves it)."""
+    if not _overflowed(x, sums) or _in_operands(out, x, dy, y):
         return sums
     return _write_grad_input(plan, x, dy, out, mean, invstd, weight, count, dtype, y, aux,
-                             _wide_sums(plan, x, dy, mean, y))
+                             _widened(plan, x, dy, mean, y, sums))
 
 
 # ---------------------------------------------------------------------------------------------
