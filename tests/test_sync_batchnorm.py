@@ -384,6 +384,19 @@ def test_state_dict_and_constructor_match_torch():
     assert repr(ours).startswith("bngrad.torch.SyncBatchNorm(5, eps=0.001")
 
 
+def test_constructor_takes_pytorchs_arguments():
+    """The same parameters, defaults and keyword-only ones as torch.nn.SyncBatchNorm's
+    (``bias=`` was missing: found by hostile testing)."""
+    import inspect
+    ours = inspect.signature(SyncBatchNorm.__init__).parameters
+    theirs = inspect.signature(torch.nn.SyncBatchNorm.__init__).parameters
+    assert [(p.name, p.kind, p.default) for p in ours.values()] == [
+        (p.name, p.kind, p.default) for p in theirs.values()]
+    layer = SyncBatchNorm(4, bias=False)
+    assert layer.bias is None and layer.weight is not None
+    assert list(layer.state_dict()) == list(torch.nn.SyncBatchNorm(4, bias=False).state_dict())
+
+
 def test_convert_sync_batchnorm_replaces_every_batchnorm_and_shares_state():
     net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4),
                               torch.nn.Sequential(torch.nn.BatchNorm2d(2, momentum=0.3)),

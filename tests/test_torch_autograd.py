@@ -383,3 +383,7 @@ def test_errors_speak_pytorch(path):
     assert str(raised.value) == (
         "bias has dtype torch.float64 but input has dtype torch.float32; convert one of them: "
         "bias.to(torch.float32) or input.to(torch.float64)")
+    with pytest.raises(TypeError) as raised:  # (no int64 input: one way only; hostile testing)
+        bt.batch_norm(x, torch.zeros(7, dtype=torch.int64), torch.ones(7), None, None, True)
+    assert str(raised.value) == ("running_mean has dtype torch.int64 but input has dtype "
+                                 "torch.float32; convert it: running_mean.to(torch.float32)")

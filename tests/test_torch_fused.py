@@ -536,6 +536,12 @@ def test_eps_and_momentum_are_numbers():
                         momentum=torch.tensor(0.25))
     assert_close(got.numpy(), want.numpy())
     torch.testing.assert_close(ours, theirs)
+    # a 0-d tensor eps, which PyTorch takes (and a 1-element 1-D one, which it refuses)
+    got = bt.batch_norm(x, None, None, training=True, eps=torch.tensor(1e-3))
+    want = F.batch_norm(x, None, None, training=True, eps=torch.tensor(1e-3))
+    assert_close(got.numpy(), want.numpy())
+    with pytest.raises(ArgumentTypeError, match="eps: expected a float >= 0, got"):
+        bt.batch_norm(x, None, None, training=True, eps=torch.tensor([1e-3]))
 
 
 def test_op_refuses_a_bool_mask():

@@ -260,8 +260,9 @@ def torch_terms(exc: Exception, input: torch.Tensor,
             if isinstance(tensor, torch.Tensor) and tensor.dtype not in allowed:
                 also = (f" (a {input.dtype} input may also have float32 or float64 {name})"
                         if input.dtype in HALF else "")
-                return ArgumentTypeError(
-                    f"{name} has dtype {tensor.dtype} but input has dtype {input.dtype}; "
-                    f"convert one of them: {name}.to({input.dtype}) or "
-                    f"input.to({tensor.dtype}){also}")
+                fix = (f"convert one of them: {name}.to({input.dtype}) or "
+                       f"input.to({tensor.dtype})" if tensor.dtype in _TORCH_TO_NUMPY
+                       else f"convert it: {name}.to({input.dtype})")  # (no such input)
+                return ArgumentTypeError(f"{name} has dtype {tensor.dtype} but input has dtype "
+                                         f"{input.dtype}; {fix}{also}")
     return exc

@@ -149,12 +149,14 @@ def checked_arguments(input: Tensor, running_mean: Optional[Tensor],
                       running_var: Optional[Tensor], training: bool, momentum: object,
                       eps: object) -> tuple[float, float]:
     """PyTorch's checks of batch norm's arguments, with its messages, then bngrad's of
-    momentum and eps (numbers, finite; a one-element tensor momentum is taken as PyTorch
-    takes it): (momentum, eps) as floats."""
+    momentum and eps (numbers, finite; a one-element tensor momentum and a 0-d tensor eps are
+    taken as PyTorch takes them): (momentum, eps) as floats."""
     if training:
         _verify_batch_size(input)
     if isinstance(momentum, Tensor) and momentum.numel() == 1:
         momentum = momentum.item()
+    if isinstance(eps, Tensor) and eps.dim() == 0:
+        eps = eps.item()
     _verify_eps(eps, training)
     _verify_running_stats(running_mean, running_var, training)
     _verify_momentum(momentum)

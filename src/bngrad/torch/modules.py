@@ -111,11 +111,12 @@ class _BngradBatchNorm(_BngradModule, _BatchNormBase):
             for attr in ("weight", "bias", "running_mean", "running_var"):
                 tensor = getattr(self, attr)
                 if tensor is not None and tensor.dtype not in allowed:
+                    or_input = (f", or the input with input.to({tensor.dtype})"
+                                if tensor.dtype in SUPPORTED_DTYPES else "")
                     return ArgumentTypeError(
                         f"{name}: input has dtype {input.dtype} but the module's {attr} has "
                         f"dtype {tensor.dtype}; convert the model with "
-                        f"model.{cast_method(input.dtype)}() (or .to({input.dtype})), "
-                        f"or the input with input.to({tensor.dtype})")
+                        f"model.{cast_method(input.dtype)}() (or .to({input.dtype})){or_input}")
         return exc
 
 

@@ -239,6 +239,8 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
         The ranks to synchronise with; default the whole world.
     device, dtype
         Of the parameters and buffers (CPU).
+    bias : bool
+        With ``affine``, whether there is a learnable bias (keyword only, as PyTorch's).
 
     Examples
     --------
@@ -248,9 +250,10 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1,
                  affine: bool = True, track_running_stats: bool = True,
-                 process_group: Any = None, device: Any = None, dtype: Any = None) -> None:
+                 process_group: Any = None, device: Any = None, dtype: Any = None, *,
+                 bias: bool = True) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, bias=bias)
         self.process_group = process_group
         self._checked_group: Optional[int] = None  # id() of the group C was verified in
 
