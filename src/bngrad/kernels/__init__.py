@@ -227,18 +227,16 @@ def _lane_chunks(piece: LanePiece, block: int, x: Operand, dy: Optional[Operand]
 
 
 def reduce(plan: KernelPlan, x: Operand, dy: Optional[Operand], mean: np.ndarray,
-           shift: Optional[np.ndarray] = None, y: Aux = None, widen: bool = True
-           ) -> tuple[np.ndarray, np.ndarray]:
+           shift: Optional[np.ndarray] = None, y: Aux = None) -> tuple[np.ndarray, np.ndarray]:
     """(sum dy', sum dy'*(x - mean)) per channel in float64, where dy' = dy - shift (None: 0,
     and the backward's sums of half data go through float32 blocks, kernels._ops, taken again
-    in float64 terms in the channels where bfloat16's overflowed, unless ``widen`` is False:
-    _widened). ``dy`` None: the moments' sums (sum d, sum d**2), d = x - mean, the values of
-    dy = x and shift = mean in fewer operations. Given ``y`` (the forward's output, mask
-    bytes, or mask bits with the flat index of x's first element), dy is first masked by the
-    ReLU it records. Sources of rows give the bits of the arrays they stand for (chunks of
-    whole row blocks)."""
+    in float64 terms in the channels where bfloat16's overflowed: _widened). ``dy`` None: the
+    moments' sums (sum d, sum d**2), d = x - mean, the values of dy = x and shift = mean in
+    fewer operations. Given ``y`` (the forward's output, mask bytes, or mask bits with the
+    flat index of x's first element), dy is first masked by the ReLU it records. Sources of
+    rows give the bits of the arrays they stand for (chunks of whole row blocks)."""
     sums = _reduce(plan, x, dy, mean, shift, y)
-    if widen and dy is not None and shift is None and _overflowed(x, sums):
+    if dy is not None and shift is None and _overflowed(x, sums):
         return _widened(plan, x, dy, mean, y, sums)
     return sums
 
@@ -530,7 +528,9 @@ def backward_train(plan: KernelPlan, x, dy, out, mean, invstd, weight, count, dt
                                         y, aux, (sum_dy, sum_dy_xmu))
     # (widened where overflowed, before out is written; but as the one-pass paths, which
     # cannot, where out is the memory of x, dy or the record: the same bits on every path)
-    sums = reduce(plan, x, dy, mean, y=y, widen=not _in_operands(out, x, dy, y))
+    sums = _reduce(plan, x, dy, mean, None, y)
+    if _overflowed(x, sums) and not _in_operands(out, x, dy, y):
+        sums = _widened(plan, x, dy, mean, y, sums)
     return _write_grad_input(plan, x, dy, out, mean, invstd, weight, count, dtype, y, aux, sums)
 
 
