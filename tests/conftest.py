@@ -63,6 +63,21 @@ DTYPE_VARIANT = {v.id: v for v in DTYPE_VARIANTS}
 DATA_DTYPES = list(_dtypes.NUMPY_DTYPES)
 
 
+# --------------------------------------------------------------------------- bits
+
+def bits_of(a: np.ndarray) -> np.ndarray:
+    """``a``'s elements as unsigned integers of their width, in C order: equal arrays of these
+    are bitwise-equal results (NaN payloads and signed zeros included)."""
+    a = np.ascontiguousarray(a)
+    return a.reshape(-1).view(f"u{a.itemsize}")
+
+
+def results_bits(results) -> list:
+    """Results (arrays or None) as values that compare equal only where the results are
+    bitwise equal: dtype, shape and bytes of each."""
+    return [None if r is None else (r.dtype.str, r.shape, r.tobytes()) for r in results]
+
+
 # --------------------------------------------------------------------------- layouts
 
 def dense_in_order(a: np.ndarray, order) -> np.ndarray:

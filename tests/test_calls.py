@@ -11,7 +11,7 @@ import pytest
 
 import bngrad
 from bngrad import _calls
-from conftest import DTYPE_VARIANTS, LAYOUT_PAIRS, MASKS, make_case, mask_id
+from conftest import DTYPE_VARIANTS, LAYOUT_PAIRS, MASKS, make_case, mask_id, results_bits
 
 
 @pytest.fixture(autouse=True)
@@ -19,10 +19,6 @@ def _forget():
     _calls._known.clear()
     yield
     _calls._known.clear()
-
-
-def _bits(results) -> list:
-    return [None if r is None else (r.dtype.str, r.shape, r.tobytes()) for r in results]
 
 
 def _backward(case, **kwargs):
@@ -50,13 +46,14 @@ def test_a_remembered_call_gives_the_bits_of_a_checked_one(layouts, variant, mod
             _calls._known.clear()
             first = _backward(case)
             assert len(_calls._known) == 1  # remembered
-            assert _bits(_backward(case)) == _bits(first), (shape, axis, mask_id(mask))
+            assert results_bits(_backward(case)) == results_bits(first), (shape, axis,
+                                                                          mask_id(mask))
         if mode == "train-nostats":
             continue
         _calls._known.clear()
         first = _forward(case)
         assert len(_calls._known) == 1
-        assert _bits(_forward(case)) == _bits(first), (shape, axis)
+        assert results_bits(_forward(case)) == results_bits(first), (shape, axis)
 
 
 def test_a_remembered_call_into_out_and_on_every_thread_count():
@@ -66,7 +63,7 @@ def test_a_remembered_call_into_out_and_on_every_thread_count():
         out = np.empty_like(case.input)
         result = _backward(case, num_threads=threads, out=out)
         assert result[0] is out
-        assert _bits(result) == _bits(expected)
+        assert results_bits(result) == results_bits(expected)
 
 
 def _remembered_forward():
@@ -151,7 +148,7 @@ def test_calls_that_are_not_plain_are_checked_in_full_and_not_remembered():
     _calls._known.clear()
     as_lists = [case.grad_out, case.input.tolist(), case.weight.tolist(), None, None,
                 case.save_mean, case.save_invstd, np.True_, 1e-5, [True, True, True]]
-    assert _bits(bngrad.batch_norm_backward(*as_lists)) == _bits(expected)
+    assert results_bits(bngrad.batch_norm_backward(*as_lists)) == results_bits(expected)
     assert not _calls._known
     with pytest.raises(bngrad.ArgumentValueError, match="weight: expected shape"):
         bngrad.batch_norm_backward(*case.args()[:2], case.weight[:3], *case.args()[3:])
@@ -176,14 +173,14 @@ def test_fused_calls_share_what_is_remembered(variant, layouts):
                                                   relu_mask=forward[3])
         return list(forward) + list(backward)
 
-    alone = _bits(fused_pair())
+    alone = results_bits(fused_pair())
     assert len(_calls._known) == 2
-    assert _bits(fused_pair()) == alone
+    assert results_bits(fused_pair()) == alone
     _calls._known.clear()
     _, mean, invstd = bngrad.batch_norm_forward(case.input, case.weight, case.weight)
     bngrad.batch_norm_backward(case.grad_out, case.input, case.weight, None, None, mean, invstd)
     assert len(_calls._known) == 2
-    assert _bits(fused_pair()) == alone
+    assert results_bits(fused_pair()) == alone
     assert len(_calls._known) == 2  # the plain calls' signatures served the fused ones
 
 
@@ -207,15 +204,15 @@ def test_a_repeat_call_on_any_path_skips_the_layout_and_keeps_the_bits(path, var
         def no_planning(*args, **kwargs):
             raise AssertionError("a repeat call planned the layout")
         monkeypatch.setattr(api, "plan", no_planning)
-        assert _bits(_backward(case, num_threads=2)) == _bits(first_backward)
+        assert results_bits(_backward(case, num_threads=2)) == results_bits(first_backward)
         out = np.empty_like(case.input)
         result = _backward(case, num_threads=2, out=out)
-        assert result[0] is out and _bits(result) == _bits(first_backward)
+        assert result[0] is out and results_bits(result) == results_bits(first_backward)
         if path in ("fused", "fused_short"):
-            assert _bits(_forward(case, num_threads=2)) == _bits(first_forward)
+            assert results_bits(_forward(case, num_threads=2)) == results_bits(first_forward)
         else:  # the moments take a pass of their own: the general path
             monkeypatch.undo()
-            assert _bits(_forward(case, num_threads=2)) == _bits(first_forward)
+            assert results_bits(_forward(case, num_threads=2)) == results_bits(first_forward)
 
 
 @pytest.mark.parametrize("variant, parallel", [
@@ -239,18 +236,19 @@ def test_a_repeat_one_call_skips_the_layout_and_keeps_the_bits(variant, layouts,
         def no_planning(*args, **kwargs):
             raise AssertionError("a repeat one-call call planned the layout")
         monkeypatch.setattr(api, "plan", no_planning)
-        assert _bits(_backward(case, num_threads=2)) == _bits(first_backward)
-        assert _bits(_forward(case, num_threads=2)) == _bits(first_forward)
+        assert results_bits(_backward(case, num_threads=2)) == results_bits(first_backward)
+        assert results_bits(_forward(case, num_threads=2)) == results_bits(first_forward)
         out = np.empty_like(case.input)
         result = _backward(case, num_threads=2, out=out)
-        assert result[0] is out and _bits(result) == _bits(first_backward)
+        assert result[0] is out and results_bits(result) == results_bits(first_backward)
         for which in (0, 1):  # out is grad_out, then input (in place)
             args = list(case.args())
             args[which] = args[which].copy(order="K")
             result = bngrad.batch_norm_backward(*args, **case.kwargs(), num_threads=2,
                                                 out=args[which])
-            assert result[0] is args[which] and _bits(result) == _bits(first_backward)
+            assert result[0] is args[which] and results_bits(result) == results_bits(first_backward)
         # out in another layout than the plan's (Fortran order): the general path, same bits
         monkeypatch.undo()
         other = np.empty(case.input.shape[::-1], case.input.dtype).transpose(3, 2, 1, 0)
-        assert _bits(_backward(case, num_threads=2, out=other)) == _bits(first_backward)
+        assert (results_bits(_backward(case, num_threads=2, out=other))
+                == results_bits(first_backward))

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import bngrad
-from conftest import make_case
+from conftest import bits_of, make_case
 
 TIMEOUT = 120  # seconds; generous for a loaded 2-core machine, finite for a hang
 needs_fork_and_alarms = pytest.mark.skipif(
@@ -27,13 +27,8 @@ needs_fork_and_alarms = pytest.mark.skipif(
     reason="needs os.fork and signal.setitimer")
 
 
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.reshape(-1).view(f"u{a.itemsize}")
-
-
 def _same(xs, ys):
-    return all((x is None and y is None) or np.array_equal(_bits(x), _bits(y))
+    return all((x is None and y is None) or np.array_equal(bits_of(x), bits_of(y))
                for x, y in zip(xs, ys))
 
 

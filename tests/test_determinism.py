@@ -25,7 +25,7 @@ import pytest
 
 import bngrad
 from bngrad import kernels
-from conftest import make_case, run_child
+from conftest import bits_of, make_case, run_child
 
 THREADS = (1, 2, 3, 4)
 # (threads, serial_elements override or None) compared with num_threads=1 (always serial)
@@ -103,11 +103,6 @@ def _run_path(path, case, threads):
     raise ValueError(path)
 
 
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.reshape(-1).view(f"u{a.itemsize}")
-
-
 def _differences(variant, shape_id, shape, axis, layout):
     """{path: None if identical for all thread counts, else a description}."""
     case = make_case(shape, axis, variant, "train", True, layouts=(layout, layout), seed=21)
@@ -125,8 +120,8 @@ def _differences(variant, shape_id, shape, axis, layout):
             for i, (a, b) in enumerate(zip(base, result)):
                 if a.dtype != b.dtype or a.shape != b.shape:
                     problem = f"output {i}: {a.dtype}{a.shape} vs {b.dtype}{b.shape} at {where}"
-                elif not np.array_equal(_bits(a), _bits(b)):
-                    n = int(np.sum(_bits(a) != _bits(b)))
+                elif not np.array_equal(bits_of(a), bits_of(b)):
+                    n = int(np.sum(bits_of(a) != bits_of(b)))
                     problem = (f"output {i}: {n} of {a.size} elements differ between "
                                f"num_threads=1 and {where}")
                 if problem:
@@ -187,4 +182,4 @@ def test_default_threads_and_repeated_calls_identical(variant):
     for _ in range(3):
         again = bngrad.batch_norm_backward(*case.args())
         for a, b in zip(one, again):
-            assert np.array_equal(_bits(a), _bits(b))
+            assert np.array_equal(bits_of(a), bits_of(b))

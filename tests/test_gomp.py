@@ -27,7 +27,7 @@ from numba import njit
 
 from bngrad import _gomp, kernels
 from bngrad.kernels import _launch
-from conftest import run_child
+from conftest import bits_of, run_child
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not _gomp.available(),
@@ -46,11 +46,6 @@ def torch_pool():
     bt.set_kernel_pool("torch")
     yield
     bt.set_kernel_pool(previous)
-
-
-def _bits(a):
-    a = np.ascontiguousarray(a)
-    return a.reshape(-1).view(f"u{a.itemsize}")
 
 
 # --- every launcher, bitwise against Numba's pool ----------------------------------------------
@@ -105,8 +100,9 @@ def child_main(out_path, variants=None):  # runs in a child process with NUMBA_N
                         for i, (a, b) in enumerate(zip(base, got)):
                             if a.dtype != b.dtype or a.shape != b.shape:
                                 problem = f"output {i}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
-                            elif not np.array_equal(_bits(a), _bits(b)):
-                                problem = (f"output {i}: {int(np.sum(_bits(a) != _bits(b)))} of "
+                            elif not np.array_equal(bits_of(a), bits_of(b)):
+                                differ = int(np.sum(bits_of(a) != bits_of(b)))
+                                problem = (f"output {i}: {differ} of "
                                            f"{a.size} elements differ on a team of {t}")
                             if problem:
                                 break

@@ -17,7 +17,7 @@ import pytest
 
 import bngrad
 from bngrad import reference
-from conftest import DTYPE_VARIANTS, BF16, Case, quantize, torch_backward
+from conftest import DTYPE_VARIANTS, BF16, Case, quantize, results_bits, torch_backward
 from tolerances import assert_close, max_error
 
 torch = pytest.importorskip("torch")
@@ -434,10 +434,6 @@ def test_bfloat16_backward_where_float32_terms_overflow(path, shape):
     assert np.array_equal(reduced[1], np.sign(ref_reduce[1]) * np.float32(np.inf))
 
 
-def _bits(arrays):
-    return [a.view(np.uint8).tobytes() for a in arrays]
-
-
 @pytest.mark.parametrize("out_of", ["grad_out", "input"])
 @pytest.mark.parametrize("paths, shape", [(("fused", "runs"), (4, 8, 300)),
                                           (("fused_short", "short"), (4, 8, 40))])
@@ -459,7 +455,7 @@ def test_bfloat16_overflow_into_an_operand_gives_the_same_bits_on_either_path(ou
             got = bngrad.batch_norm_backward(d, xx, None, None, None, mean, invstd,
                                              num_threads=2,
                                              out=d if out_of == "grad_out" else xx)
-        results.append(_bits(got))
+        results.append(results_bits(got))
     overflowed = ~np.isfinite(got[1])
     assert overflowed.any()  # (the case it says)
     assert np.isnan(got[0][:, overflowed].astype(np.float32)).all()
@@ -488,4 +484,4 @@ def test_bfloat16_overflow_in_one_channel_leaves_the_others_bits(path, shape):
     assert np.isfinite(results[1][1]).all() and abs(float(results[1][1][0])) > 1e19
     for plain, overflowed in zip(*results):  # channels 1.. (axis 1, or 0 of a gradient)
         others = (slice(None), slice(1, None)) if plain.ndim > 1 else slice(1, None)
-        assert _bits([plain[others]]) == _bits([overflowed[others]])
+        assert results_bits([plain[others]]) == results_bits([overflowed[others]])
