@@ -491,6 +491,17 @@ def test_dsp_check_refuses_outputs_of_another_case_than_the_manifests(tmp_path, 
         assert main(["dsp-check", str(root)]) == 2
         out = capsys.readouterr().out
         assert out.startswith(f"ERROR   {FEW[0]}") and f"case.txt says {key}:" in out, out
+    # lines the harness refuses (tests/test_dsp_kit.py's harness test): dsp-check did not
+    for junk, said in [("colour blue\n", "unknown key 'colour'"),
+                       ("batch 4\n", "repeated key 'batch'"),
+                       ("two words here\n", "expected `key value`"), ("lonely\n", "expected")]:
+        (case / "case.txt").write_text(text + junk)
+        assert main(["dsp-check", str(root)]) == 2
+        out = capsys.readouterr().out
+        assert out.startswith(f"ERROR   {FEW[0]}") and said in out, out
+    (case / "case.txt").write_text(text + "\n   # a comment, and a blank line above\n")
+    assert main(["dsp-check", str(root)]) == 0
+    capsys.readouterr()
     (case / "case.txt").unlink()
     assert main(["dsp-check", str(root)]) == 2
     assert "no case.txt: the harness reads the case from it" in capsys.readouterr().out

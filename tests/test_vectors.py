@@ -577,6 +577,15 @@ def test_cli_tolerance_must_be_finite_and_non_negative(tmp_path, capsys, flag, v
     assert f"{flag}: expected a finite number >= 0" in err
 
 
+@pytest.mark.parametrize("flag", ["--atol", "--rtol", "--ulp"])
+def test_cli_negative_zero_tolerance_is_zero(tmp_path, capsys, flag):
+    """(Found by hostile testing.) --atol -0 was reported as atol=-0."""
+    out = write(tmp_path)
+    assert compare(out, flag, "-0") == 0
+    report = capsys.readouterr().out
+    assert f"{flag[2:]}=0" in report and "=-0" not in report
+
+
 @pytest.mark.parametrize("name", ["atol", "rtol", "ulp"])
 @pytest.mark.parametrize("value", [np.inf, np.nan, -1.0, "1", True])
 def test_api_tolerance_must_be_finite_and_non_negative(tmp_path, name, value):

@@ -109,13 +109,18 @@ def _is_train(value: Any, name: str = "params[7] (is_train)") -> bool:
     raise ArgumentValueError(f"{name}: expected 0, 1, True or False, got {describe(value)}")
 
 
+#: The largest core mask: the C functions take ``int core_mask``.
+CORE_MASK_MAX = 0x7FFFFFFF
+
+
 def threads_for_core_mask(core_mask: Any) -> int:
     """Worker threads for a DSP core mask: its number of set bits, capped at the CPU count.
 
     Parameters
     ----------
     core_mask : int
-        Bit mask of DSP cores, e.g. 0xFF for eight.
+        Bit mask of DSP cores, e.g. 0xFF for eight: 1 to 0x7FFFFFFF, the positive values of
+        the C API's ``int core_mask`` (the C harness of ``bngrad dsp-kit`` takes the same).
 
     Returns
     -------
@@ -127,17 +132,22 @@ def threads_for_core_mask(core_mask: Any) -> int:
     ArgumentTypeError
         ``core_mask`` is not an int (bool, float and str included).
     ArgumentValueError
-        ``core_mask`` is 0 or negative.
+        ``core_mask`` is 0, negative, or above 0x7FFFFFFF (it would not fit the C ``int``).
     """
     if isinstance(core_mask, (bool, np.bool_)) or not isinstance(core_mask, numbers.Integral):
         raise ArgumentTypeError(
             "core_mask: expected an int bit mask of cores such as 0xFF, got "
             f"{describe(core_mask)}")
-    if core_mask <= 0:
+    mask = int(core_mask)
+    if mask <= 0:
         raise ArgumentValueError(
             f"core_mask: expected a positive bit mask with at least one core set (e.g. 0x1, "
-            f"0xFF), got {int(core_mask)}")
-    return min(bin(int(core_mask)).count("1"), os.cpu_count() or 1)
+            f"0xFF), got {mask}")
+    if mask > CORE_MASK_MAX:
+        raise ArgumentValueError(
+            f"core_mask: expected a bit mask that fits the C API's int (at most "
+            f"{CORE_MASK_MAX:#x}), got {mask:#x}")
+    return min(bin(mask).count("1"), os.cpu_count() or 1)
 
 
 def _buffer(name: str, value: Any, dtypes: tuple[np.dtype, ...], writable: bool) -> np.ndarray:

@@ -397,13 +397,28 @@ def _broke(root: Path) -> Optional[str]:
     return "; ".join(line for line in lines if line) or f"{BROKE_FILE} is empty"
 
 
+# The keys the C harness takes in a case.txt (bng_harness.c, read_case); it refuses any other.
+_HARNESS_KEYS = ("format", "name", "function", "dtype", "param_dtype", "batch", "channel",
+                 "is_train", "core_mask")
+
+
 def _facts(text: str) -> dict[str, str]:
-    """The ``key value`` lines of a ``case.txt`` (comments and blank lines left out)."""
+    """The ``key value`` lines of a ``case.txt`` (comments and blank lines left out).
+
+    Raises ``ValueError`` saying which line the C harness would refuse (as it reads them: not
+    one key and one value, an unknown key, a repeated one)."""
     facts: dict[str, str] = {}
-    for line in text.splitlines():
-        key, _, value = line.strip().partition(" ")
-        if key and not key.startswith("#"):
-            facts.setdefault(key, value.strip())
+    for number, line in enumerate(text.splitlines(), 1):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            continue
+        if len(words) != 2:
+            raise ValueError(f"line {number}: expected `key value`, got {line.strip()[:60]!r}")
+        key, value = words
+        if key not in _HARNESS_KEYS or key in facts:
+            raise ValueError(f"line {number}: {'repeated' if key in facts else 'unknown'} key "
+                             f"{key[:60]!r}")
+        facts[key] = value
     return facts
 
 
@@ -427,7 +442,12 @@ def _case_mismatch(root: Path) -> Optional[str]:
     if not os.path.lexists(root / CASE_FILE):
         return f"no {CASE_FILE}: the harness reads the case from it"
     with open(vectors._inside(root, CASE_FILE, CASE_FILE), "rb") as f:
-        got = _facts(f.read(1 << 16).decode("utf-8", "replace"))
+        text = f.read(1 << 16).decode("utf-8", "replace")
+    try:
+        got = _facts(text)
+    except ValueError as e:
+        return (f"{CASE_FILE}: {e}, which the harness refuses: the outputs are not of this "
+                "case.txt (write the suite again)")
     for key, value in expected.items():
         if got.get(key) != value:
             said = "no such line" if key not in got else repr(got[key])[:60]

@@ -695,12 +695,12 @@ def _read_npz(path: Path, members: Mapping[str, tuple[Any, np.dtype, tuple[int, 
 
 
 def _tolerance(name: str, value: Any) -> float:
-    """A tolerance: a finite real number >= 0 (bool and NaN refused)."""
+    """A tolerance: a finite real number >= 0 (bool and NaN refused; -0 taken as 0)."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"{name}: expected a finite number >= 0, got {_short(value)}")
     if not (math.isfinite(float(value)) and float(value) >= 0):
         raise ArgumentValueError(f"{name}: expected a finite number >= 0, got {float(value)}")
-    return float(value)
+    return float(value) + 0.0  # (-0.0 + 0.0 is 0.0: a report says atol=0, not atol=-0)
 
 
 def _tolerances(name: str, value: Any) -> np.ndarray:
@@ -711,7 +711,7 @@ def _tolerances(name: str, value: Any) -> np.ndarray:
             np.isfinite(value).all() and (value >= 0).all()):
         raise ArgumentValueError(f"{name}: expected finite numbers >= 0 in a 1-D array, got "
                                  f"{value.dtype} of shape {value.shape}")
-    return value.astype(np.float64)
+    return value.astype(np.float64) + 0.0
 
 
 def _parse_manifest(root: Path, path: Path, m: dict[str, Any]) -> GoldenVectors:
