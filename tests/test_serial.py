@@ -203,3 +203,24 @@ def test_parallel_calls_still_enter_the_region():
     finally:
         del gate.lock
     assert held
+
+
+def test_serial_launchers_run_their_items_in_the_launchers_order():
+    """The serial launchers name their loop themselves (``_in_order`` or ``_last_to_first``):
+    each must run its item in the order ``kernels.batchnorm.LAST_TO_FIRST`` gives the parallel
+    launchers and the one-call passes, so that a change to that set changes them too (the
+    order changes no bits, so only the source can tell)."""
+    import inspect
+    import re
+
+    from bngrad.kernels import batchnorm
+    launchers = {name: f for name, f in vars(batchnorm).items()
+                 if name.endswith("_serial") and hasattr(f, "py_func")}
+    assert len(launchers) >= 10
+    for name, launcher in launchers.items():
+        loop = re.findall(r"(_in_order|_last_to_first)\((\w+), n, args\)",
+                          inspect.getsource(launcher.py_func))
+        assert len(loop) == 1, (name, loop)
+        (order, item), = loop
+        wanted = batchnorm.last_to_first(getattr(batchnorm, item))
+        assert (order == "_last_to_first") == wanted, name
