@@ -936,3 +936,31 @@ print("counts and foreign threads ok")
 def test_thread_count_calls_under_alarms_and_foreign_threads_keep_the_gate():
     code, output = _run_script(_COUNTS_AND_FOREIGN_THREADS_SCRIPT, {})
     assert code == 0 and "counts and foreign threads ok" in output, output[-2000:]
+
+
+def test_thread_count_set_back_when_an_exception_interrupts_setting_it(monkeypatch):
+    """An exception a signal handler raises just after Numba's thread count was changed, before
+    the call's ``with`` block was entered, left the count changed for this thread's later calls
+    (``with`` runs no ``__exit__`` when ``__enter__`` raises)."""
+    import numba
+
+    from bngrad import _threads
+    before = _threads.current_num_threads()
+    wanted = 1 if before != 1 else 2
+    if wanted > numba.config.NUMBA_NUM_THREADS:
+        pytest.skip("needs a pool of two threads")
+    set_num_threads = numba.set_num_threads
+    calls = []
+
+    def interrupted(n):
+        set_num_threads(n)
+        calls.append(n)
+        if len(calls) == 1:
+            raise KeyboardInterrupt  # as a handler would, once the count is changed
+
+    monkeypatch.setattr(_threads.numba, "set_num_threads", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with _threads.thread_count(wanted):
+            pass
+    assert calls == [wanted, before]
+    assert _threads.current_num_threads() == before

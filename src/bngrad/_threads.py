@@ -401,8 +401,10 @@ def gate() -> Any:
 class _ThreadCount:
     """Numba's thread count set to ``wanted`` for the enclosed launches, and set back. A class
     rather than a generator-based context manager: it costs less. Python code: an exception
-    from a signal handler between its steps can leave the count changed on this thread (the
-    gate's lock, held apart by :func:`gate`, cannot be left held)."""
+    from a signal handler raised once the count is set, before ``__enter__`` returns, sets it
+    back (``with`` runs no ``__exit__`` then); one raised inside the set-back itself can still
+    leave the count changed on this thread (the gate's lock, held apart by :func:`gate`,
+    cannot be left held)."""
 
     __slots__ = ("_wanted", "_previous")
 
@@ -413,8 +415,12 @@ class _ThreadCount:
     def __enter__(self) -> None:
         previous = current_num_threads()
         if self._wanted != previous:
-            numba.set_num_threads(self._wanted)
             self._previous = previous
+            try:
+                numba.set_num_threads(self._wanted)
+            except BaseException:
+                self.__exit__()
+                raise
 
     def __exit__(self, *exc: object) -> None:
         if self._previous is not None:
