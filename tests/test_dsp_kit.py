@@ -416,6 +416,35 @@ def test_make_rebuilds_when_the_implementation_or_flags_change(tmp_path, capsys)
     assert harness_exe.stat().st_mtime_ns != built
 
 
+@needs_make
+def test_make_run_runs_both_builds_and_never_leaves_old_outputs(tmp_path, capsys):
+    """(Found by a newcomer.) `make run` stopped after the first harness exited 1 (a case broke
+    a buffer), so the hp_ cases with float parameters were never run (MISSING); and where the
+    build of an IMPL failed, no harness ran, the earlier run's outputs stayed, and dsp-check
+    passed them. Also: an IMPL outside the kit directory finds the kit's headers."""
+    kit = tmp_path / "kit"
+    assert main(["dsp-kit", "--out", str(kit)]) == 0
+    names = [FEW[0], FEW[1], FEW[2], "fp16_s_b2_c17_eval_exact_pfp32"]
+    root = suite(tmp_path, names)
+    elsewhere = tmp_path / "mine"
+    elsewhere.mkdir()
+    (elsewhere / "overrun.c").write_text(OVERRUN)
+
+    def make_run(*settings):
+        return subprocess.run([MAKE, "-C", str(kit), "run", f"SUITE={root}", *settings],
+                              capture_output=True, text=True)
+
+    done = make_run(f"IMPL={elsewhere / 'overrun.c'} bng_half.c")
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert verdicts(root, capsys) == ["BROKE", "BROKE", "PASS", "PASS"], verdicts.out
+    assert make_run().returncode == 0
+    assert verdicts(root, capsys) == ["PASS"] * 4
+    (elsewhere / "typo.c").write_text("this is not C\n")
+    done = make_run(f"IMPL={elsewhere / 'typo.c'} bng_half.c")
+    assert done.returncode != 0 and "typo.c" in done.stderr
+    assert verdicts(root, capsys) == ["MISSING"] * 4, verdicts.out
+
+
 @needs_cc
 def test_harness_refuses_malformed_case_directories(harnesses, tmp_path):
     exe = harnesses[0]
