@@ -415,3 +415,37 @@ def test_running_var_scan_names_the_first_negative_entry(dtype):
                        (values[::-1], "-inf at channel 1")):
         with pytest.raises(bngrad.ArgumentValueError, match=text):
             _validate.running_var(view)
+
+
+@pytest.mark.parametrize("func", DATA_FUNCS)
+def test_list_input_says_how_its_dtype_came_about(func):
+    """(Found by a newcomer.) input given as a list, read by NumPy as float64, and a float32
+    grad_out: the message blamed grad_out's dtype without saying where input's came from."""
+    kwargs = _base()[func]
+    kwargs["input"] = kwargs["input"].tolist()
+    with pytest.raises(TypeError, match="grad_out") as info:
+        FUNCS[func](**kwargs)
+    assert ("expected the dtype of input (float64), got dtype float32, which NumPy made of the "
+            "list given as input" in str(info.value))
+
+
+def test_fused_backward_list_input_says_how_its_dtype_came_about():
+    from bngrad import fused
+    kwargs = _base()["backward"]
+    with pytest.raises(TypeError, match="NumPy made of the list given as input"):
+        fused.batch_norm_relu_backward(kwargs["grad_out"], kwargs["input"].tolist(),
+                                       kwargs["weight"], kwargs["weight"],
+                                       save_mean=kwargs["save_mean"],
+                                       save_invstd=kwargs["save_invstd"])
+
+
+@pytest.mark.parametrize("input_dtype, weight_dtype, advice", [
+    (F64, F32, "np.asarray(weight, np.float64)"), (F32, F64, "np.asarray(weight, np.float32)"),
+    (F32, np.float16, "np.asarray(weight, np.float32)")])
+def test_weight_dtype_advice_names_a_dtype(input_dtype, weight_dtype, advice):
+    """The advice was np.asarray(weight, input.dtype), which a list input has no dtype for."""
+    x = np.zeros((4, 3, 5), input_dtype)
+    with pytest.raises(TypeError, match="weight") as info:
+        bngrad.batch_norm_forward(x.tolist() if input_dtype == F64 else x,
+                                  np.ones(3, weight_dtype))
+    assert advice in str(info.value), str(info.value)

@@ -85,14 +85,28 @@ def data_array(name: str, value: Any) -> np.ndarray:
     return array
 
 
-def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray, name: str = "grad_out") -> None:
-    """``grad_out`` (or the array called ``name``) has input's shape and dtype."""
+def data_pair(grad_out: Any, input: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(grad_out, input) as data arrays (:func:`data_array`) of one shape and dtype."""
+    input_array = data_array("input", input)
+    grad_out_array = data_array("grad_out", grad_out)
+    same_shape_and_dtype(grad_out_array, input_array, given=input)
+    return grad_out_array, input_array
+
+
+def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray, name: str = "grad_out",
+                         given: Any = None) -> None:
+    """``grad_out`` (or the array called ``name``) has input's shape and dtype (``given``:
+    what the caller gave as input, where known: a list's dtype is NumPy's reading of it)."""
     if grad_out.shape != input.shape:
         raise ArgumentValueError(
             f"{name}: expected the shape of input {input.shape}, got shape {grad_out.shape}")
     if grad_out.dtype != input.dtype:
+        read = ("" if given is None or isinstance(given, np.ndarray) else
+                f", which NumPy made of the {type(given).__name__} given as input; pass input "
+                "as an array of the dtype you mean")
         raise ArgumentTypeError(
-            f"{name}: expected the dtype of input ({input.dtype}), got dtype {grad_out.dtype}")
+            f"{name}: expected the dtype of input ({input.dtype}), got dtype {grad_out.dtype}"
+            + read)
 
 
 def channel_axis(value: Any, ndim: int) -> int:
@@ -144,7 +158,7 @@ def _param_array(name: str, value: Any, input: np.ndarray, axis: int) -> np.ndar
         raise ArgumentTypeError(
             f"{name}: expected dtype {' or '.join(str(d) for d in allowed)} for a "
             f"{input.dtype} input, got {got}; convert it with "
-            f"np.asarray({name}, input.dtype)")
+            f"np.asarray({name}, np.{'float32' if np.float32 in allowed else 'float64'})")
     return array
 
 

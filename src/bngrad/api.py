@@ -92,9 +92,7 @@ def _saved_invstd(invstd: Array, stat_dtype: np.dtype, eps: float) -> Array:
 
 
 def _data_pair(grad_out: Any, input: Any, channel_axis: Any) -> tuple[Array, Array, int]:
-    input = check.data_array("input", input)
-    grad_out = check.data_array("grad_out", grad_out)
-    check.same_shape_and_dtype(grad_out, input)
+    grad_out, input = check.data_pair(grad_out, input)
     return grad_out, input, check.channel_axis(channel_axis, input.ndim)
 
 

@@ -297,9 +297,7 @@ def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
     grad_side_input : ndarray or None
         g: input's shape and dtype, in input's axis order when input is dense in some order.
     """
-    input = check.data_array("input", input)
-    grad_out = check.data_array("grad_out", grad_out)
-    check.same_shape_and_dtype(grad_out, input)
+    grad_out, input = check.data_pair(grad_out, input)
     mask = _output_mask(output_mask)
     activation = _activation(activation)
     if activation == "none":
