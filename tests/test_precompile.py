@@ -63,3 +63,45 @@ def test_precompile_names_a_bad_dtype(capsys):
     with pytest.raises(SystemExit):
         cli.main(["precompile", "--dtype", "int8"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def _loaded_kernels() -> dict:
+    """How many compiled versions each of bngrad's kernels has in this process."""
+    from numba.core.dispatcher import Dispatcher
+
+    from bngrad.kernels import _launch, batchnorm
+    return {(module.__name__, name): len(value.overloads) for module in (batchnorm, _launch)
+            for name, value in vars(module).items() if isinstance(value, Dispatcher)}
+
+
+def test_precompile_fused_leaves_nothing_for_fused_calls():
+    """(Found by a newcomer.) `bngrad precompile` compiled no kernel of the fused forms, whose
+    first calls then compiled for 9-18 s each. With ``fused``, fused calls of other shapes than
+    precompile's own, over every record, side input, layout and mode, writable and read-only,
+    load no kernel it has not loaded (the cache on disk is the suite's, so this checks
+    coverage, not the time; test_precompiled_cache_serves_a_new_process checks the cache)."""
+    import numpy as np
+
+    from bngrad import fused
+    precompile(["float32"], fused=True)
+    before = _loaded_kernels()
+    rng = np.random.default_rng(2)
+    for shape in [(32, 16, 7, 7), (4096, 3), (3, 5, 300), (2, 64, 17, 17)]:
+        for read_only in (False, True):
+            x = rng.standard_normal(shape).astype(np.float32)
+            side = rng.standard_normal(shape).astype(np.float32)
+            x.flags.writeable = side.flags.writeable = not read_only
+            w = np.full(shape[1], 2.0, np.float32)
+            for train in (True, False):
+                rm, rv = np.zeros(shape[1], np.float32), np.ones(shape[1], np.float32)
+                for mask_format in ("bits", "bytes", None):
+                    y, m, s, mask = fused.batch_norm_relu_forward(
+                        x, w, None, rm, rv, train, side_input=side, mask_format=mask_format)
+                    record = dict(relu_mask=mask) if mask is not None else dict(output=y)
+                    fused.batch_norm_relu_backward(side, x, w, rm, rv, m if train else None,
+                                                   s if train else None, train, **record)
+    nhwc = np.moveaxis(rng.standard_normal((8, 8, 8, 16)).astype(np.float32), -1, 1)
+    y, m, s, mask = fused.batch_norm_relu_forward(nhwc, side_input=nhwc.copy())
+    fused.batch_norm_relu_backward(nhwc, nhwc, None, None, None, m, s, relu_mask=mask)
+    loaded = _loaded_kernels()
+    assert {k: v for k, v in loaded.items() if v != before.get(k, 0)} == {}

@@ -6,7 +6,8 @@ fresh install therefore spends seconds on the first call of each dtype and layou
 makes those first calls on tiny arrays, once, through the public API: every dtype, every
 canonical path (2-D and narrow channels-last rows, short, medium and long channels-first runs,
 the fused per-channel kernels, mixed layouts and sliced inputs), training and eval, forward and
-backward, the moments and the split reduce/elemt pair.
+backward, the moments and the split reduce/elemt pair; with ``fused`` (``--fused``) the fused
+forms' too (BN+ReLU, BN+add+ReLU), which take as long again and which not every user needs.
 """
 
 from __future__ import annotations
@@ -67,8 +68,41 @@ def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> N
                                          x.size // C, num_threads=num_threads)
 
 
+def _exercise_fused(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> None:
+    """The fused forms' kernels (bngrad.fused; bngrad.torch's fused layers call the same):
+    each ReLU record (mask bits, mask bytes, the output itself), with and without a side
+    input, and no activation, in training and eval."""
+    from . import fused
+
+    rng = np.random.default_rng(0)
+    param = _dtypes.stat_dtype(dtype)
+    for shape, how in _CASES:
+        x, dy = _arrays(shape, how, dtype, rng)
+        side = dy.copy()
+        x.flags.writeable = dy.flags.writeable = side.flags.writeable = not read_only
+        C = shape[1]
+        w, b = np.ones(C, param), np.zeros(C, param)
+        rm, rv = np.zeros(C, param), np.ones(C, param)
+        for train in (True, False):
+            for side_input, activation, mask_format in ((side, "relu", "bits"),
+                                                        (None, "relu", "bits"),
+                                                        (side, "relu", "bytes"),
+                                                        (None, "relu", None),
+                                                        (side, "none", "bits")):
+                y, mean, invstd, mask = fused.batch_norm_relu_forward(
+                    x, w, b, rm, rv, train, side_input=side_input, activation=activation,
+                    mask_format=mask_format, num_threads=num_threads)
+                record = dict(relu_mask=mask) if mask is not None else dict(output=y)
+                if activation == "none":
+                    record = {}
+                fused.batch_norm_relu_backward(
+                    dy, x, w, rm, rv, mean if train else None, invstd if train else None,
+                    train, activation=activation, num_threads=num_threads, **record)
+
+
 def precompile(dtypes: Optional[Iterable[str]] = None,
-               progress: Optional[Callable[[str, float], None]] = None) -> Dict[str, float]:
+               progress: Optional[Callable[[str, float], None]] = None,
+               fused: bool = False) -> Dict[str, float]:
     """Compile (or load from Numba's cache) every kernel bngrad runs, for the given dtypes.
 
     Parameters
@@ -77,6 +111,9 @@ def precompile(dtypes: Optional[Iterable[str]] = None,
         Any of "float64", "float32", "float16", "bfloat16" (default: all four).
     progress : callable, optional
         Called as ``progress(dtype, seconds)`` after each dtype.
+    fused : bool
+        Also the kernels of the fused forms (BN+ReLU, BN+add+ReLU: bngrad.fused, and
+        bngrad.torch's fused layers and ``convert(fuse=True)``), about as long again.
 
     Returns
     -------
@@ -100,11 +137,12 @@ def precompile(dtypes: Optional[Iterable[str]] = None,
         # Read-only inputs (np.broadcast_to, read-only memory maps) are another Numba type.
         # These tiny calls run serially (kernels._plan.runs_serial), so on all threads they
         # run a second time forced parallel, which compiles the parallel launchers.
-        for num_threads, read_only in ((1, False), (None, False), (None, True)):
-            _exercise(dtype, num_threads, read_only)
-            if num_threads is None:
-                with kernels.override(serial_elements=0):
-                    _exercise(dtype, num_threads, read_only)
+        for exercise in (_exercise, _exercise_fused) if fused else (_exercise,):
+            for num_threads, read_only in ((1, False), (None, False), (None, True)):
+                exercise(dtype, num_threads, read_only)
+                if num_threads is None:
+                    with kernels.override(serial_elements=0):
+                        exercise(dtype, num_threads, read_only)
         spent[dtype.name] = time.perf_counter() - t
         if progress is not None:
             progress(dtype.name, spent[dtype.name])
@@ -118,6 +156,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", action="append", choices=DTYPES, metavar="NAME",
                         help="only this dtype (repeatable; default: all of "
                              + ", ".join(DTYPES) + ")")
+    parser.add_argument("--fused", action="store_true",
+                        help="also the fused forms' kernels (BN+ReLU, BN+add+ReLU: "
+                             "bngrad.fused, bngrad.torch's fused layers and "
+                             "convert(fuse=True)); about as long again")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
 
     where = CACHE_DIR or "next to bngrad's kernel sources (__pycache__)"
     print(f"compiling bngrad's kernels into Numba's cache ({where}) ...", flush=True)
-    spent = precompile(args.dtype, lambda name, s: print(f"  {name:9s} {s:6.1f} s", flush=True))
+    spent = precompile(args.dtype, lambda name, s: print(f"  {name:9s} {s:6.1f} s", flush=True),
+                       fused=args.fused)
     print(f"done in {sum(spent.values()):.1f} s; the first call of each dtype and layout now "
           "loads compiled code instead of compiling it")
     return 0
