@@ -92,12 +92,12 @@ def _exercise_fused(dtype: np.dtype, num_threads: Optional[int], read_only: bool
                 y, mean, invstd, mask = fused.batch_norm_relu_forward(
                     x, w, b, rm, rv, train, side_input=side_input, activation=activation,
                     mask_format=mask_format, num_threads=num_threads)
-                record = dict(relu_mask=mask) if mask is not None else dict(output=y)
-                if activation == "none":
-                    record = {}
+                relu = activation == "relu"
                 fused.batch_norm_relu_backward(
                     dy, x, w, rm, rv, mean if train else None, invstd if train else None,
-                    train, activation=activation, num_threads=num_threads, **record)
+                    train, activation=activation, num_threads=num_threads,
+                    relu_mask=mask if relu else None,
+                    output=y if relu and mask is None else None)
 
 
 def precompile(dtypes: Optional[Iterable[str]] = None,
