@@ -425,18 +425,28 @@ def test_list_input_says_how_its_dtype_came_about(func):
     kwargs["input"] = kwargs["input"].tolist()
     with pytest.raises(TypeError, match="grad_out") as info:
         FUNCS[func](**kwargs)
-    assert ("expected the dtype of input (float64), got dtype float32, which NumPy made of the "
-            "list given as input" in str(info.value))
+    assert ("expected the dtype of input (float64), got dtype float32 (NumPy made float64 of "
+            "the list given as input: pass arrays of the dtype you mean)" in str(info.value))
 
 
 def test_fused_backward_list_input_says_how_its_dtype_came_about():
     from bngrad import fused
     kwargs = _base()["backward"]
-    with pytest.raises(TypeError, match="NumPy made of the list given as input"):
+    with pytest.raises(TypeError, match="NumPy made float64 of the list given as input"):
         fused.batch_norm_relu_backward(kwargs["grad_out"], kwargs["input"].tolist(),
                                        kwargs["weight"], kwargs["weight"],
                                        save_mean=kwargs["save_mean"],
                                        save_invstd=kwargs["save_invstd"])
+
+
+def test_side_input_list_says_how_its_dtype_came_about():
+    """(Found by hostile testing.) side_input as a list beside a float32 input."""
+    from bngrad import fused
+    x = _base()["forward"]["input"]
+    with pytest.raises(TypeError, match="side_input") as info:
+        fused.batch_norm_relu_forward(x, side_input=x.tolist())
+    assert ("got dtype float64 (NumPy made float64 of the list given as side_input: pass "
+            "arrays of the dtype you mean)" in str(info.value)), str(info.value)
 
 
 @pytest.mark.parametrize("input_dtype, weight_dtype, advice", [

@@ -89,24 +89,26 @@ def data_pair(grad_out: Any, input: Any) -> tuple[np.ndarray, np.ndarray]:
     """(grad_out, input) as data arrays (:func:`data_array`) of one shape and dtype."""
     input_array = data_array("input", input)
     grad_out_array = data_array("grad_out", grad_out)
-    same_shape_and_dtype(grad_out_array, input_array, given=input)
+    same_shape_and_dtype(grad_out_array, input_array, given=(grad_out, input))
     return grad_out_array, input_array
 
 
 def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray, name: str = "grad_out",
-                         given: Any = None) -> None:
-    """``grad_out`` (or the array called ``name``) has input's shape and dtype (``given``:
-    what the caller gave as input, where known: a list's dtype is NumPy's reading of it)."""
+                         given: Any = (None, None)) -> None:
+    """``grad_out`` (or the array called ``name``) has input's shape and dtype. ``given``:
+    what the caller passed as each, where known: a list's dtype is NumPy's reading of it,
+    which the message then says."""
     if grad_out.shape != input.shape:
         raise ArgumentValueError(
             f"{name}: expected the shape of input {input.shape}, got shape {grad_out.shape}")
     if grad_out.dtype != input.dtype:
-        read = ("" if given is None or isinstance(given, np.ndarray) else
-                f", which NumPy made of the {type(given).__name__} given as input; pass input "
-                "as an array of the dtype you mean")
+        read = [f"NumPy made {input.dtype if who == 'input' else grad_out.dtype} of the "
+                f"{type(value).__name__} given as {who}"
+                for who, value in zip((name, "input"), given)
+                if value is not None and not isinstance(value, np.ndarray)]
         raise ArgumentTypeError(
             f"{name}: expected the dtype of input ({input.dtype}), got dtype {grad_out.dtype}"
-            + read)
+            + (f" ({'; '.join(read)}: pass arrays of the dtype you mean)" if read else ""))
 
 
 def channel_axis(value: Any, ndim: int) -> int:

@@ -90,7 +90,7 @@ def _mask_format(value: Any) -> Optional[str]:
 def _like_input(name: str, value: Any, input: Array) -> Array:
     """side_input or output: an array of input's shape and dtype, any layout."""
     array = check.data_array(name, value)
-    check.same_shape_and_dtype(array, input, name)
+    check.same_shape_and_dtype(array, input, name, given=(value, None))
     return array
 
 
