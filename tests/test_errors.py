@@ -459,3 +459,13 @@ def test_weight_dtype_advice_names_a_dtype(input_dtype, weight_dtype, advice):
         bngrad.batch_norm_forward(x.tolist() if input_dtype == F64 else x,
                                   np.ones(3, weight_dtype))
     assert advice in str(info.value), str(info.value)
+
+
+def test_count_and_byte_order_messages_say_what_arrived():
+    """(Found by a newcomer.) count=-1 was reported as "-1.0"; a byte-swapped array got the
+    generic dtype message."""
+    kwargs = _base()["elemt"]
+    with pytest.raises(ValueError, match=r"count: expected a positive finite total, got int -1$"):
+        bngrad.batch_norm_backward_elemt(**{**kwargs, "count": -1})
+    with pytest.raises(TypeError, match=r"byte-swapped: convert it with \.astype\('float32'\)"):
+        bngrad.batch_norm_forward(kwargs["input"].astype(">f4"))

@@ -75,9 +75,13 @@ def data_array(name: str, value: Any) -> np.ndarray:
             raise ArgumentValueError(f"{name}: expected an array, got {describe(value)}, of "
                                      f"which NumPy cannot make one ({exc})") from None
     if not _supported(array.dtype):
+        native = array.dtype.newbyteorder("=")
+        advice = ("; convert it with .astype(np.float32)" if array.dtype.kind in "iub" else
+                  f"; it is byte-swapped: convert it with .astype({native.name!r})"
+                  if not array.dtype.isnative and _supported(native) else "")
         raise ArgumentTypeError(
             f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}"
-            + ("; convert it with .astype(np.float32)" if array.dtype.kind in "iub" else ""))
+            + advice)
     if array.ndim < 2:
         raise ArgumentValueError(
             f"{name}: expected at least 2 dimensions (N, C, ...), got shape {array.shape}; "
@@ -403,7 +407,8 @@ def count(value: Any) -> float:
             f"{counts[counts < 0][0]:g} in {describe(value)}")
     total = float(np.sum(counts))
     if not total > 0 or math.isinf(total):
-        raise ArgumentValueError(f"count: expected a positive finite total, got {total}")
+        raise ArgumentValueError(f"count: expected a positive finite total, got "
+                                 f"{describe(value) if counts.ndim == 0 else f'{total:g}'}")
     return total
 
 
