@@ -238,9 +238,9 @@ def test_threads_for_core_mask(monkeypatch):
     assert dsp.threads_for_core_mask(0x1) == 1
     assert dsp.threads_for_core_mask(0b1010_0001) == 3
     assert dsp.threads_for_core_mask(np.int64(0xF0)) == 4
-    assert dsp.threads_for_core_mask(0x7FFFFFFF) == 31   # capped at the machine's cores...
+    assert dsp.threads_for_core_mask(dsp.CORE_MASK_MAX) == 31   # the largest mask: 31 cores
     monkeypatch.setattr(dsp.os, "cpu_count", lambda: 16)
-    assert dsp.threads_for_core_mask(0x7FFFFFFF) == 16   # ...which are fewer here
+    assert dsp.threads_for_core_mask(dsp.CORE_MASK_MAX) == 16   # capped at the machine's cores
     monkeypatch.setattr(dsp.os, "cpu_count", lambda: 2)
     assert dsp.threads_for_core_mask(0xFF) == 2
 

@@ -523,17 +523,37 @@ def test_dsp_check_refuses_outputs_of_another_case_than_the_manifests(tmp_path, 
     # lines the harness refuses (tests/test_dsp_kit.py's harness test): dsp-check did not
     for junk, said in [("colour blue\n", "unknown key 'colour'"),
                        ("batch 4\n", "repeated key 'batch'"),
-                       ("two words here\n", "expected `key value`"), ("lonely\n", "expected")]:
+                       ("two words here\n", "expected `key value`"), ("lonely\n", "expected"),
+                       ("# " + "x" * 600 + "\n", "longer than 510 characters")]:
         (case / "case.txt").write_text(text + junk)
         assert main(["dsp-check", str(root)]) == 2
         out = capsys.readouterr().out
         assert out.startswith(f"ERROR   {FEW[0]}") and said in out, out
-    (case / "case.txt").write_text(text + "\n   # a comment, and a blank line above\n")
+    (case / "case.txt").write_text(text.replace("\nbatch 4", "\nbatch 4\f"))  # (C: not a space)
+    assert main(["dsp-check", str(root)]) == 2
+    assert "case.txt says batch: '4\\x0c'" in capsys.readouterr().out
+    (case / "case.txt").write_text(text.replace("\n", "\r\n") + "\n \t # a comment\n")
     assert main(["dsp-check", str(root)]) == 0
     capsys.readouterr()
     (case / "case.txt").unlink()
     assert main(["dsp-check", str(root)]) == 2
     assert "no case.txt: the harness reads the case from it" in capsys.readouterr().out
+
+
+def test_dsp_check_refuses_a_core_mask_line_in_a_private_storage_case(tmp_path, capsys):
+    """(Found by review.) A _p case's case.txt given a core_mask line, which the harness
+    refuses, passed: only the manifest's own keys were compared."""
+    root = suite(tmp_path, [FEW[1]])     # fp32 _p
+    case = root / FEW[1]
+    for output, file in dsp_suite.OUTPUT_FILES.items():
+        shutil.copy(case / f"{output}.bin", case / file)
+    assert main(["dsp-check", str(root)]) == 0
+    capsys.readouterr()
+    with open(case / "case.txt", "a") as f:
+        f.write("core_mask 0xff\n")
+    assert main(["dsp-check", str(root)]) == 2
+    assert "case.txt has a core_mask line, which the manifest's case has not" in \
+        capsys.readouterr().out
 
 
 def test_dsp_kit_refuses_to_overwrite(tmp_path, capsys):

@@ -447,6 +447,10 @@ def test_side_input_list_says_how_its_dtype_came_about():
         fused.batch_norm_relu_forward(x, side_input=x.tolist())
     assert ("got dtype float64 (NumPy made float64 of the list given as side_input: pass "
             "arrays of the dtype you mean)" in str(info.value)), str(info.value)
+    with pytest.raises(TypeError, match="side_input") as info:
+        fused.batch_norm_relu_forward(x.tolist(), side_input=x)
+    assert ("got dtype float32 (NumPy made float64 of the list given as input: pass arrays of "
+            "the dtype you mean)" in str(info.value)), str(info.value)
 
 
 @pytest.mark.parametrize("input_dtype, weight_dtype, advice", [
@@ -463,9 +467,14 @@ def test_weight_dtype_advice_names_a_dtype(input_dtype, weight_dtype, advice):
 
 def test_count_and_byte_order_messages_say_what_arrived():
     """(Found by a newcomer.) count=-1 was reported as "-1.0"; a byte-swapped array got the
-    generic dtype message."""
+    generic dtype message (and a dtype without a byte order must still get that one)."""
     kwargs = _base()["elemt"]
-    with pytest.raises(ValueError, match=r"count: expected a positive finite total, got int -1$"):
-        bngrad.batch_norm_backward_elemt(**{**kwargs, "count": -1})
+    for count, said in ((-1, "int -1"), (np.array(-1.0), "-1"), (np.float64(-2.5), "-2.5")):
+        with pytest.raises(ValueError, match=f"count: expected a positive finite total, got "
+                                             f"{said}$"):
+            bngrad.batch_norm_backward_elemt(**{**kwargs, "count": count})
+    strings = np.array([["1", "2"], ["3", "4"]], dtype=np.dtypes.StringDType())
+    with pytest.raises(TypeError, match="input: expected a floating array"):
+        bngrad.batch_norm_forward(strings)
     with pytest.raises(TypeError, match=r"byte-swapped: convert it with \.astype\('float32'\)"):
         bngrad.batch_norm_forward(kwargs["input"].astype(">f4"))

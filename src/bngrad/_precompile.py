@@ -7,7 +7,8 @@ makes those first calls on tiny arrays, once, through the public API: every dtyp
 canonical path (2-D and narrow channels-last rows, short, medium and long channels-first runs,
 the fused per-channel kernels, mixed layouts and sliced inputs), training and eval, forward and
 backward, the moments and the split reduce/elemt pair; with ``fused`` (``--fused``) the fused
-forms' too (BN+ReLU, BN+add+ReLU), which take as long again and which not every user needs.
+forms' too (BN+ReLU, BN+add+ReLU), which take 3-4 times as long again and which not every
+user needs.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ DTYPES = _dtypes.NAMES
 
 # (shape, how to lay it out) covering each kernel path of bngrad.kernels: 2-D rows of lanes,
 # channels-first runs shorter than SHORT_RUN, short runs, long runs (fused where there are
-# enough channels per thread), channels-last images, mixed layouts (a tiled transpose) and
-# slices (a row copy).
+# enough channels per thread), channels-last images (one of several work items: a launch of
+# one item runs it on the calling thread, which compiles no parallel launcher for it), mixed
+# layouts (a tiled transpose) and slices (a row copy).
 _CASES = (((64, 8), "dense"), ((4, 8, 3, 3), "dense"), ((2, 8, 6, 6), "dense"),
           ((2, 8, 20, 20), "dense"), ((2, 2, 20, 20), "dense"), ((2, 8, 6, 6), "channels_last"),
-          ((2, 8, 6, 6), "mixed"), ((2, 8, 6, 12), "sliced"))
+          ((8, 64, 12, 12), "channels_last"), ((2, 8, 6, 6), "mixed"), ((2, 8, 6, 12), "sliced"))
 
 
 def _arrays(shape, how, dtype, rng):
@@ -45,17 +47,21 @@ def _arrays(shape, how, dtype, rng):
     return x, dy
 
 
-def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> None:
-    import bngrad
-
+def _operands(dtype: np.dtype, read_only: bool):
+    """Each case of _CASES as (x, dy, weight, bias, running_mean, running_var)."""
     rng = np.random.default_rng(0)
     param = _dtypes.stat_dtype(dtype)
     for shape, how in _CASES:
         x, dy = _arrays(shape, how, dtype, rng)
         x.flags.writeable = dy.flags.writeable = not read_only
         C = shape[1]
-        w, b = np.ones(C, param), np.zeros(C, param)
-        rm, rv = np.zeros(C, param), np.ones(C, param)
+        yield x, dy, np.ones(C, param), np.zeros(C, param), np.zeros(C, param), np.ones(C, param)
+
+
+def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> None:
+    import bngrad
+
+    for x, dy, w, b, rm, rv in _operands(dtype, read_only):
         _, mean, invstd = bngrad.batch_norm_forward(x, w, b, rm, rv, True, num_threads=num_threads)
         bngrad.batch_norm_forward(x, w, b, rm, rv, False, num_threads=num_threads)
         bngrad.batch_norm_backward(dy, x, w, rm, rv, mean, invstd, True, num_threads=num_threads)
@@ -65,45 +71,47 @@ def _exercise(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> N
         bngrad.batch_norm_moments(x, num_threads=num_threads)  # (the training forward may fuse)
         sums = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd, w, num_threads=num_threads)
         bngrad.batch_norm_backward_elemt(dy, x, mean, invstd, w, sums[0], sums[1],
-                                         x.size // C, num_threads=num_threads)
+                                         x.size // w.size, num_threads=num_threads)
+
+
+# The fused forms' variants: (side input: None, in input's layout or C order; activation; the
+# forward's ReLU record), each backward with every output mask of _FUSED_MASKS: all, without
+# grad_side_input (bngrad.torch's layer without a residual), without grad_input too.
+_FUSED = [(side, "relu", record) for side in (None, "like", "c")
+          for record in ("bits", "bytes", None)] + [("like", "none", None)]
+_FUSED_MASKS = ((True,) * 4, (True, True, True, False), (False, True, True, False))
 
 
 def _exercise_fused(dtype: np.dtype, num_threads: Optional[int], read_only: bool) -> None:
     """The fused forms' kernels (bngrad.fused; bngrad.torch's fused layers call the same):
-    each ReLU record (mask bits, mask bytes, the output itself), with and without a side
-    input, and no activation, in training and eval."""
+    _FUSED's variants, in training and eval."""
     from . import fused
 
-    rng = np.random.default_rng(0)
-    param = _dtypes.stat_dtype(dtype)
-    for shape, how in _CASES:
-        x, dy = _arrays(shape, how, dtype, rng)
-        side = dy.copy()
-        x.flags.writeable = dy.flags.writeable = side.flags.writeable = not read_only
-        C = shape[1]
-        w, b = np.ones(C, param), np.zeros(C, param)
-        rm, rv = np.zeros(C, param), np.ones(C, param)
+    for x, dy, w, b, rm, rv in _operands(dtype, read_only):
+        sides = {None: None, "like": np.empty_like(x), "c": np.empty(x.shape, x.dtype)}
+        for side in sides.values():
+            if side is not None:
+                side[...] = dy
+                side.flags.writeable = not read_only
         for train in (True, False):
-            for side_input, activation, mask_format in ((side, "relu", "bits"),
-                                                        (None, "relu", "bits"),
-                                                        (side, "relu", "bytes"),
-                                                        (None, "relu", None),
-                                                        (side, "none", "bits")):
+            for side, activation, record in _FUSED:
                 y, mean, invstd, mask = fused.batch_norm_relu_forward(
-                    x, w, b, rm, rv, train, side_input=side_input, activation=activation,
-                    mask_format=mask_format, num_threads=num_threads)
+                    x, w, b, rm, rv, train, side_input=sides[side], activation=activation,
+                    mask_format=record, num_threads=num_threads)
                 relu = activation == "relu"
-                fused.batch_norm_relu_backward(
-                    dy, x, w, rm, rv, mean if train else None, invstd if train else None,
-                    train, activation=activation, num_threads=num_threads,
-                    relu_mask=mask if relu else None,
-                    output=y if relu and mask is None else None)
+                for output_mask in _FUSED_MASKS:
+                    fused.batch_norm_relu_backward(
+                        dy, x, w, rm, rv, mean if train else None, invstd if train else None,
+                        train, output_mask=output_mask, activation=activation,
+                        num_threads=num_threads, relu_mask=mask if relu else None,
+                        output=y if relu and mask is None else None)
 
 
 def precompile(dtypes: Optional[Iterable[str]] = None,
                progress: Optional[Callable[[str, float], None]] = None,
                fused: bool = False) -> Dict[str, float]:
-    """Compile (or load from Numba's cache) every kernel bngrad runs, for the given dtypes.
+    """Compile (or load from Numba's cache) the kernels bngrad runs, for the given dtypes: every
+    kernel of the plain functions, and with ``fused`` those of the fused forms.
 
     Parameters
     ----------
@@ -113,7 +121,8 @@ def precompile(dtypes: Optional[Iterable[str]] = None,
         Called as ``progress(dtype, seconds)`` after each dtype.
     fused : bool
         Also the kernels of the fused forms (BN+ReLU, BN+add+ReLU: bngrad.fused, and
-        bngrad.torch's fused layers and ``convert(fuse=True)``), about as long again.
+        bngrad.torch's fused layers and ``convert(fuse=True)``): 3-4 times as long again (float32
+        on a 2-core AMD EPYC, empty cache: 58 s without, 268 s with).
 
     Returns
     -------
@@ -159,7 +168,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused", action="store_true",
                         help="also the fused forms' kernels (BN+ReLU, BN+add+ReLU: "
                              "bngrad.fused, bngrad.torch's fused layers and "
-                             "convert(fuse=True)); about as long again")
+                             "convert(fuse=True)); 3-4 times as long again")
 
 
 def run(args: argparse.Namespace) -> int:

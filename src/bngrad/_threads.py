@@ -467,7 +467,7 @@ def refuse_nested_call() -> None:
             "bngrad was called while this thread's interrupted bngrad call (e.g. by a signal "
             "handler) is compiling or loading a kernel, or starting Numba's threads, which "
             "cannot be done twice at once; run the first call before installing the handler, "
-            "or `bngrad precompile`")
+            "or `bngrad precompile` (with --fused for the fused forms)")
 
 
 def _compiler_lock_is_mine() -> bool:

@@ -75,10 +75,8 @@ def data_array(name: str, value: Any) -> np.ndarray:
             raise ArgumentValueError(f"{name}: expected an array, got {describe(value)}, of "
                                      f"which NumPy cannot make one ({exc})") from None
     if not _supported(array.dtype):
-        native = array.dtype.newbyteorder("=")
         advice = ("; convert it with .astype(np.float32)" if array.dtype.kind in "iub" else
-                  f"; it is byte-swapped: convert it with .astype({native.name!r})"
-                  if not array.dtype.isnative and _supported(native) else "")
+                  _byte_order_advice(array.dtype))
         raise ArgumentTypeError(
             f"{name}: expected a floating array of dtype {_DTYPE_NAMES}, got dtype {array.dtype}"
             + advice)
@@ -95,6 +93,15 @@ def data_pair(grad_out: Any, input: Any) -> tuple[np.ndarray, np.ndarray]:
     grad_out_array = data_array("grad_out", grad_out)
     same_shape_and_dtype(grad_out_array, input_array, given=(grad_out, input))
     return grad_out_array, input_array
+
+
+def _byte_order_advice(dtype: np.dtype) -> str:
+    """How to convert a byte-swapped floating dtype we support natively; else ""."""
+    if dtype.isnative or dtype.kind != "f":
+        return ""
+    native = dtype.newbyteorder("=")
+    return (f"; it is byte-swapped: convert it with .astype({native.name!r})"
+            if _supported(native) else "")
 
 
 def same_shape_and_dtype(grad_out: np.ndarray, input: np.ndarray, name: str = "grad_out",
@@ -407,8 +414,8 @@ def count(value: Any) -> float:
             f"{counts[counts < 0][0]:g} in {describe(value)}")
     total = float(np.sum(counts))
     if not total > 0 or math.isinf(total):
-        raise ArgumentValueError(f"count: expected a positive finite total, got "
-                                 f"{describe(value) if counts.ndim == 0 else f'{total:g}'}")
+        got = describe(value) if type(value) in (int, float) else f"{total:g}"
+        raise ArgumentValueError(f"count: expected a positive finite total, got {got}")
     return total
 
 

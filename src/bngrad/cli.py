@@ -26,7 +26,8 @@ SUBCOMMANDS = {
                 "BatchNormGrad"),
     "dsp-check": ("bngrad._cli_dsp_check", "compare the harness's outputs for every case of a "
                   "vector suite"),
-    "precompile": ("bngrad._precompile", "compile every kernel now, so no first call waits"),
+    "precompile": ("bngrad._precompile", "compile the kernels now (--fused: the fused forms' "
+                   "too), so no first call waits"),
 }
 BROKEN_PIPE_EXIT = 128 + 13     # the shell's status for a process killed by SIGPIPE
 

@@ -41,6 +41,7 @@ from ._validate import (FLOAT16, FLOAT32, describe, masked_message, output_overl
 from .errors import ArgumentTypeError, ArgumentValueError
 
 __all__ = [
+    "CORE_MASK_MAX",
     "BatchNormGradParams",
     "fp_batch_norm_grad_p",
     "fp_batch_norm_grad_s",
@@ -334,8 +335,9 @@ def fp_batch_norm_grad_s(x: np.ndarray, dy: np.ndarray, dx: np.ndarray, params: 
         buffers of at least ``channel`` elements (dbias and dscale writable, and written),
         two ints > 0 and 0/1. Entries 8..11 are ignored.
     core_mask : int
-        Bit mask of cores (0xFF = 8); its set bits, capped at the CPU count, are the thread
-        count. Results are bitwise identical for every mask.
+        Bit mask of cores (0xFF = 8), 1 to ``CORE_MASK_MAX`` (0x7FFFFFFF, the C ``int``'s
+        positive range); its set bits, capped at the CPU count, are the thread count. Results
+        are bitwise identical for every mask.
 
     Returns
     -------

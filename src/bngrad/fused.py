@@ -87,10 +87,11 @@ def _mask_format(value: Any) -> Optional[str]:
     return value
 
 
-def _like_input(name: str, value: Any, input: Array) -> Array:
-    """side_input or output: an array of input's shape and dtype, any layout."""
+def _like_input(name: str, value: Any, input: Array, given_input: Any) -> Array:
+    """side_input or output: an array of input's shape and dtype, any layout (``given_input``:
+    what the caller passed as input, for the dtype message)."""
     array = check.data_array(name, value)
-    check.same_shape_and_dtype(array, input, name, given=(value, None))
+    check.same_shape_and_dtype(array, input, name, given=(value, given_input))
     return array
 
 
@@ -235,11 +236,11 @@ def batch_norm_relu_forward(input: Any, weight: Any = None, bias: Any = None,
         out as input), both in input's memory order; None for ``mask_format=None`` or
         ``activation="none"``.
     """
-    input = check.data_array("input", input)
+    given_input, input = input, check.data_array("input", input)
     activation = _activation(activation)
     mask_format = _mask_format(mask_format)
     if side_input is not None:
-        side_input = _like_input("side_input", side_input, input)
+        side_input = _like_input("side_input", side_input, input, given_input)
         if out is not None and isinstance(out, np.ndarray) and np.shares_memory(out, side_input):
             # (input itself is the other in-place choice, unless side_input shares it too)
             alternative = ("" if np.shares_memory(input, side_input)
@@ -297,6 +298,7 @@ def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
     grad_side_input : ndarray or None
         g: input's shape and dtype, in input's axis order when input is dense in some order.
     """
+    given_input = input
     grad_out, input = check.data_pair(grad_out, input)
     mask = _output_mask(output_mask)
     activation = _activation(activation)
@@ -311,7 +313,7 @@ def batch_norm_relu_backward(grad_out: Any, input: Any, weight: Any = None,
             "forward's output y, or its relu_mask), got "
             + ("both" if output is not None else "neither"))
     elif output is not None:
-        output = _like_input("output", output, input)
+        output = _like_input("output", output, input, given_input)
     else:
         relu_mask = _relu_mask(relu_mask, input)
     check.out_array(out, input, grad_out, output=output, relu_mask=relu_mask)
