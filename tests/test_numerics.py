@@ -197,6 +197,37 @@ def test_half_backward_sums_about_a_mean_far_from_zero(dtype, path):
         assert error <= 1e-6, f"{name}: normalized error {error:.3g}"
 
 
+@pytest.mark.parametrize("path", ["fused", "runs", "fused_short", "short", "lanes", None])
+@pytest.mark.parametrize("dtype", [np.float16, BF16], ids=["float16", "bfloat16"])
+def test_half_backward_sums_about_an_infinite_mean(dtype, path):
+    """(Found by hostile testing.) float16 data with an infinite mean (eval's running_mean,
+    train's save_mean) gave NaN sums, grad_weight and grad_input where the reference and
+    PyTorch give -inf (+inf for a mean of -inf): the mean's float32 tail (terms_mean) was
+    inf - inf. bfloat16 was right."""
+    from bngrad import kernels
+
+    shape = (6, 4, 40) if path is not None else (240, 4)
+    x = np.full(shape, 3.0, dtype)
+    dy = np.full(shape, 0.5, dtype)
+    mean = np.array([np.inf, -np.inf, 0.0, 1.0], np.float32)
+    invstd = np.ones(4, np.float32)
+    forced = kernels.forced_path(path) if path is not None else kernels.override()
+    with forced:
+        sums = bngrad.batch_norm_backward_reduce(dy, x, mean, invstd)
+        train = bngrad.batch_norm_backward(dy, x, None, None, None, mean, invstd, True)
+        eval_ = bngrad.batch_norm_backward(dy, x, None, mean, invstd ** -2 - 1e-5, None, None,
+                                           False)
+    want_sums = reference.batch_norm_backward_reduce(dy, x, mean, invstd)
+    want_train = reference.batch_norm_backward(dy, x, None, None, None, mean, invstd, True)
+    np.testing.assert_array_equal(sums[1][:2], want_sums[1][:2])        # -inf, +inf
+    np.testing.assert_array_equal(train[1][:2], want_train[1][:2])
+    np.testing.assert_array_equal(eval_[1][:2], [-np.inf, np.inf])
+    np.testing.assert_array_equal(np.isnan(train[0].astype(np.float32)),
+                                  np.isnan(want_train[0]))
+    np.testing.assert_array_equal(np.isinf(train[0].astype(np.float32)),
+                                  np.isinf(want_train[0]))
+
+
 # --- eps = 0 and a channel of zero variance ---------------------------------------------------
 
 @pytest.mark.parametrize("threads", [1, 2])

@@ -197,15 +197,17 @@ def terms_mean(mean: Any, x: Any, shift: Any) -> Any:
 def _terms_mean(mean, x, shift):
     if not narrow_terms(x.dtype, shift):
         return lambda mean, x, shift: mean
+    # (An infinite head has the tail 0, not inf - inf: the sums about it are already those
+    # about the mean, and a NaN tail made a float16 backward's sums NaN where they are -inf.)
     if isinstance(mean, types.Array):
         def split_lanes(mean, x, shift):
             head = mean.astype(np.float32)
-            return head, (mean - head).astype(np.float32)
+            return head, np.where(np.isinf(head), 0.0, mean - head).astype(np.float32)
         return split_lanes
 
     def split(mean, x, shift):
         head = np.float32(mean)
-        return head, np.float32(mean - np.float64(head))
+        return head, np.float32(0.0 if np.isinf(head) else mean - np.float64(head))
     return split
 
 
