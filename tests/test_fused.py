@@ -431,3 +431,18 @@ def test_fused_forward_after_another_of_the_same_argument_types():
         for mask_format in ("bits", "bytes"):
             got = bngrad.batch_norm_relu_forward(x, num_threads=2, mask_format=mask_format)[0]
             assert_close(got, expected, what=f"{shape} {mask_format}")
+
+
+def test_mask_bytes_sizes_and_refusals():
+    """(Found by hostile testing.) mask_bytes(-8) returned -1, mask_bytes(8, "nib") 0, and
+    mask_bytes("8") raised a bare TypeError."""
+    from bngrad import fused
+    assert [fused.mask_bytes(n) for n in (0, 1, 8, 9)] == [0, 1, 1, 2]
+    assert fused.mask_bytes(9, "bytes") == 9 and fused.mask_bytes(9, None) == 0
+    assert fused.mask_bytes(np.int64(16)) == 2
+    for n, error in ((-8, bngrad.ArgumentValueError), ("8", bngrad.ArgumentTypeError),
+                     (True, bngrad.ArgumentTypeError), (8.0, bngrad.ArgumentTypeError)):
+        with pytest.raises(error, match="n_elements: expected an int >= 0"):
+            fused.mask_bytes(n)
+    with pytest.raises(bngrad.ArgumentValueError, match="mask_format: expected 'bits'"):
+        fused.mask_bytes(8, "nib")

@@ -43,6 +43,7 @@ own.
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Sequence, Tuple
 
 import numpy as np
@@ -65,10 +66,17 @@ MASK_FORMATS = ("bits", "bytes", None)
 
 def mask_bytes(n_elements: int, mask_format: Optional[str] = "bits") -> int:
     """Bytes of the ReLU mask for ``n_elements`` elements: ``ceil(n / 8)`` as bits, ``n`` as
-    bytes, 0 without a mask."""
+    bytes, 0 without a mask (``mask_format`` None)."""
+    if isinstance(n_elements, (bool, np.bool_)) or not isinstance(n_elements, numbers.Integral):
+        raise ArgumentTypeError(
+            f"n_elements: expected an int >= 0, got {check.describe(n_elements)}")
+    if n_elements < 0:
+        raise ArgumentValueError(f"n_elements: expected an int >= 0, got {int(n_elements)}")
+    n = int(n_elements)
+    mask_format = _mask_format(mask_format)
     if mask_format == "bits":
-        return (n_elements + 7) // 8
-    return n_elements if mask_format == "bytes" else 0
+        return (n + 7) // 8
+    return n if mask_format == "bytes" else 0
 
 
 # --- argument checks of the fused functions (the rest is checked by the batch-norm API) ------
