@@ -100,6 +100,27 @@ def test_torch_compile_aot_eager():
         assert_close(c.double().numpy(), b.double().numpy(), what=name, factor=2)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+def test_torch_compile_dynamic_fullgraph(fused):
+    """(Found by hostile testing.) torch.compile(dynamic=True, fullgraph=True) failed: the
+    module's momentum, a symbolic float there, went through math.isfinite, which Dynamo
+    cannot trace (a graph break, an error under fullgraph). PyTorch's own layer compiles."""
+    torch.manual_seed(0)
+    make = (lambda: bt.BatchNormReLU2d(4)) if fused else (lambda: bt.BatchNorm2d(4))
+    model, compiled_model = make(), make()
+    compiled = torch.compile(compiled_model, backend="aot_eager", dynamic=True, fullgraph=True)
+    for batch in (4, 6):  # a second batch size: the dynamic shape
+        x = torch.randn(batch, 4, 5, 5, requires_grad=True)
+        xc = x.detach().clone().requires_grad_()
+        y, yc = model(x), compiled(xc)
+        y.square().sum().backward()
+        yc.square().sum().backward()
+        assert_close(yc.detach().numpy(), y.detach().numpy(), what="output", factor=2)
+        assert_close(xc.grad.numpy(), x.grad.numpy(), what="grad_input", factor=2)
+    assert_close(compiled_model.running_var.numpy(), model.running_var.numpy(),
+                 what="running_var", factor=2)
+
+
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_torch_export(training):
     model = _small_model().train(training)

@@ -341,7 +341,9 @@ def _as_float(name: str, expected: str, value: numbers.Real) -> float:
 
 
 def momentum(value: Any) -> float:
-    if type(value) is float and math.isfinite(value):
+    # (comparisons, not math.isfinite: under torch.compile(dynamic=True) a module's momentum
+    # is a symbolic float, which comparisons guard on and math.isfinite breaks the graph for)
+    if type(value) is float and -math.inf < value < math.inf:
         return value
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise ArgumentTypeError(f"momentum: expected a float, got {describe(value)}")
