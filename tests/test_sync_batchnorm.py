@@ -9,6 +9,8 @@ runs many checks (see _dist_workers.py), because a process start costs seconds.
 
 from __future__ import annotations
 
+import re
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 import _dist_workers as workers
 from bngrad import reference as ref
-from bngrad.errors import ArgumentValueError
+from bngrad.errors import ArgumentTypeError, ArgumentValueError
 from bngrad.torch.sync import CollectiveError, SyncBatchNorm, combine_moments
 from tolerances import assert_bitwise_equal, assert_close, backward_scales
 
@@ -373,6 +375,28 @@ def test_the_synchronised_path_refuses_forward_ad_and_torch_func_before_any_coll
         else:
             torch.func.jvp(layer, (x,), (torch.ones_like(x),))
     assert int(layer.num_batches_tracked) == 0  # the refused call was not counted
+
+
+def test_the_synchronised_path_refuses_a_parameter_dtype_before_any_collective(monkeypatch):
+    """(Found by hostile testing.) A float32 input into a float64 layer on 2 ranks raised the
+    NumPy API's message (np.asarray(weight, ...)), after the all_gather and with the batch
+    counted; one process gives the tensor-terms message. Now that one, first."""
+    from bngrad.torch import sync
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("a collective was started")
+    monkeypatch.setattr(sync.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(sync.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(sync, "_all_gather", no_collective)
+    monkeypatch.setattr(sync.dist, "all_reduce", no_collective)
+    layer = SyncBatchNorm(4, process_group="a group", dtype=torch.float64)
+    message = ("weight has dtype torch.float64 but input has dtype torch.float32; convert one "
+               "of them: weight.to(torch.float32) or input.to(torch.float64)")
+    with pytest.raises(ArgumentTypeError, match=re.escape(message)):
+        layer(torch.randn(3, 4))
+    assert int(layer.num_batches_tracked) == 0
+    with pytest.raises(ArgumentTypeError, match=re.escape(message)):
+        SyncBatchNorm(4, dtype=torch.float64)(torch.randn(3, 4))  # one process: the same
 
 
 def test_state_dict_and_constructor_match_torch():

@@ -255,14 +255,22 @@ def torch_terms(exc: Exception, input: torch.Tensor,
                     f"{tuple(input.shape)}), but {name} has shape {tuple(tensor.shape)}; "
                     "weight, bias, running_mean and running_var need one value per channel")
     if isinstance(exc, ArgumentTypeError):
-        allowed = allowed_param_dtypes(input.dtype)
-        for name, tensor in per_channel.items():
-            if isinstance(tensor, torch.Tensor) and tensor.dtype not in allowed:
-                also = (f" (a {input.dtype} input may also have float32 or float64 {name})"
-                        if input.dtype in HALF else "")
-                fix = (f"convert one of them: {name}.to({input.dtype}) or "
-                       f"input.to({tensor.dtype})" if tensor.dtype in _TORCH_TO_NUMPY
-                       else f"convert it: {name}.to({input.dtype})")  # (no such input)
-                return ArgumentTypeError(f"{name} has dtype {tensor.dtype} but input has dtype "
-                                         f"{input.dtype}; {fix}{also}")
+        return param_dtype_error(input, per_channel) or exc
     return exc
+
+
+def param_dtype_error(input: torch.Tensor, per_channel: dict[str, Optional[torch.Tensor]]
+                      ) -> Optional[ArgumentTypeError]:
+    """The error for the first per-channel tensor whose dtype ``input`` (of a dtype bngrad
+    takes) cannot have beside it, in tensor terms; None where all can."""
+    allowed = allowed_param_dtypes(input.dtype)
+    for name, tensor in per_channel.items():
+        if isinstance(tensor, torch.Tensor) and tensor.dtype not in allowed:
+            also = (f" (a {input.dtype} input may also have float32 or float64 {name})"
+                    if input.dtype in HALF else "")
+            fix = (f"convert one of them: {name}.to({input.dtype}) or "
+                   f"input.to({tensor.dtype})" if tensor.dtype in _TORCH_TO_NUMPY
+                   else f"convert it: {name}.to({input.dtype})")  # (no such input)
+            return ArgumentTypeError(f"{name} has dtype {tensor.dtype} but input has dtype "
+                                     f"{input.dtype}; {fix}{also}")
+    return None
