@@ -456,3 +456,16 @@ def test_bad_input_shape_is_a_clear_error(shape, match):
     with pytest.raises(ArgumentValueError, match=match):
         SyncBatchNorm(4)(torch.randn(*shape))
 
+
+
+def test_convert_sync_batchnorm_refuses_an_uninitialised_lazy_batch_norm():
+    """(Found by hostile testing.) A LazyBatchNorm2d not yet run became SyncBatchNorm(0), which
+    refused every input. Once run (initialised, a BatchNorm2d), it converts."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.LazyBatchNorm2d())
+    with pytest.raises(ArgumentValueError, match=r"1 is a lazy batch norm whose number of "
+                                                 r"features is not known yet"):
+        SyncBatchNorm.convert_sync_batchnorm(model)
+    model(torch.randn(2, 3, 6, 6))
+    converted = SyncBatchNorm.convert_sync_batchnorm(model)
+    assert isinstance(converted[1], SyncBatchNorm) and converted[1].num_features == 8
+    converted(torch.randn(2, 3, 6, 6))

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 import bngrad as _api  # the public core API
 from .. import _dtypes
@@ -330,6 +331,9 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
             ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` replaces them without a word.) A
             model fused by ``convert(model, fuse=True)`` has none: its batch norms convert,
             and its fused calls run them unfused.
+            ``module`` holds a lazy batch norm (``LazyBatchNorm2d``, ...) not yet initialised:
+            its number of features is unknown (PyTorch's converter makes it a
+            ``SyncBatchNorm(0)``, which refuses every input); run one batch first.
         """
         fused = [name or "<model>" for name, m in module.named_modules()
                  if isinstance(m, _FusedBatchNorm)]
@@ -341,6 +345,16 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
                 "ReLU; use bngrad.torch.BatchNorm2d (1d, 3d) and the ReLU there, or "
                 "bngrad.torch.convert(model, fuse=True), whose fused calls keep the batch norm "
                 "modules (not revert(model): it leaves fused modules built by hand)")
+        lazy = [name or "<model>" for name, m in module.named_modules()
+                if isinstance(m, _BatchNorm) and isinstance(m, LazyModuleMixin)
+                and m.has_uninitialized_params()]
+        if lazy:  # (PyTorch's converter makes them SyncBatchNorm(0), which no input fits)
+            raise ArgumentValueError(
+                f"bngrad.torch.SyncBatchNorm.convert_sync_batchnorm: {', '.join(lazy)} "
+                f"{'is a lazy batch norm' if len(lazy) == 1 else 'are lazy batch norms'} "
+                "whose number of features is not known yet; run the model on one batch "
+                "first (which initialises them), then convert it")
+
         def new_for(bn: torch.nn.Module) -> Optional[torch.nn.Module]:
             if not isinstance(bn, _BatchNorm):
                 return None
