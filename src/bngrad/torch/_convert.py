@@ -261,8 +261,11 @@ def torch_terms(exc: Exception, input: torch.Tensor,
 
 def param_dtype_error(input: torch.Tensor, per_channel: dict[str, Optional[torch.Tensor]]
                       ) -> Optional[ArgumentTypeError]:
-    """The error for the first per-channel tensor whose dtype ``input`` (of a dtype bngrad
-    takes) cannot have beside it, in tensor terms; None where all can."""
+    """The error for the first per-channel tensor whose dtype ``input`` cannot have beside it,
+    in tensor terms; None where all can, or where input's own dtype is one bngrad refuses
+    (whose error is input's)."""
+    if input.dtype not in _TORCH_TO_NUMPY:
+        return None
     allowed = allowed_param_dtypes(input.dtype)
     for name, tensor in per_channel.items():
         if isinstance(tensor, torch.Tensor) and tensor.dtype not in allowed:

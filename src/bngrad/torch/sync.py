@@ -35,8 +35,7 @@ from .. import _dtypes
 from .. import _gomp
 from ..errors import ArgumentValueError, BngradError
 from ..kernels import inv_std
-from ._convert import (_TORCH_TO_NUMPY, from_numpy, output_like, param_dtype_error, to_numpy,
-                       to_numpy_optional)
+from ._convert import from_numpy, output_like, param_dtype_error, to_numpy, to_numpy_optional
 from .functional import batch_norm  # the plain, local layer
 from .functional import needs_pytorch_autodiff
 from .fused import _FusedBatchNorm
@@ -277,7 +276,7 @@ class SyncBatchNorm(_BngradModule, _BatchNorm):
             group = self.process_group or dist.group.WORLD
             world = dist.get_world_size(group)
         layer = f"{type(self).__name__}({self.num_features})"
-        if world > 1 and input.dtype in _TORCH_TO_NUMPY:
+        if world > 1:
             # (before the batch is counted and before any collective; the one-process path's
             # error says the same, from the core's refusal)
             error = param_dtype_error(input, {"weight": self.weight, "bias": self.bias,
