@@ -345,15 +345,11 @@ def test_the_synchronised_path_gives_pytorchs_layouts(monkeypatch, layout):
     assert_close(ours.running_mean.numpy(), theirs.running_mean.numpy(), what="running_mean")
 
 
-@pytest.mark.parametrize("how", ["forward_ad", "grad", "jvp"])
-def test_the_synchronised_path_refuses_forward_ad_and_torch_func_before_any_collective(
-        monkeypatch, how):
-    """The local layers run such calls on PyTorch's batch norm (docs/torch.md); the
-    synchronised one cannot (the group's statistics have no forward derivative): a clear
-    error on every rank, raised before the batch is counted and before the first collective,
-    which would otherwise wait on ranks that raised (here: a collective fails the test). Under
-    torch.func the count's in-place update raised PyTorch's message first."""
-    import torch.autograd.forward_ad as fwAD
+@pytest.fixture
+def two_ranks_without_collectives(monkeypatch):
+    """SyncBatchNorm sees an initialised group of 2 ranks, and any collective fails the test:
+    for errors that must come before the first collective (which would wait on ranks that
+    raised)."""
     from bngrad.torch import sync
 
     def no_collective(*args, **kwargs):
@@ -362,6 +358,18 @@ def test_the_synchronised_path_refuses_forward_ad_and_torch_func_before_any_coll
     monkeypatch.setattr(sync.dist, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(sync, "_all_gather", no_collective)
     monkeypatch.setattr(sync.dist, "all_reduce", no_collective)
+
+
+@pytest.mark.parametrize("how", ["forward_ad", "grad", "jvp"])
+def test_the_synchronised_path_refuses_forward_ad_and_torch_func_before_any_collective(
+        two_ranks_without_collectives, how):
+    """The local layers run such calls on PyTorch's batch norm (docs/torch.md); the
+    synchronised one cannot (the group's statistics have no forward derivative): a clear
+    error on every rank, raised before the batch is counted and before the first collective,
+    which would otherwise wait on ranks that raised (here: a collective fails the test). Under
+    torch.func the count's in-place update raised PyTorch's message first."""
+    import torch.autograd.forward_ad as fwAD
+
     layer = SyncBatchNorm(3, process_group="a group", dtype=torch.float64)
     x = torch.randn(4, 3, 5, dtype=torch.float64)
     with pytest.raises(NotImplementedError,
@@ -377,18 +385,11 @@ def test_the_synchronised_path_refuses_forward_ad_and_torch_func_before_any_coll
     assert int(layer.num_batches_tracked) == 0  # the refused call was not counted
 
 
-def test_the_synchronised_path_refuses_a_parameter_dtype_before_any_collective(monkeypatch):
+def test_the_synchronised_path_refuses_a_parameter_dtype_before_any_collective(
+        two_ranks_without_collectives):
     """(Found by hostile testing.) A float32 input into a float64 layer on 2 ranks raised the
     NumPy API's message (np.asarray(weight, ...)), after the all_gather and with the batch
     counted; one process gives the tensor-terms message. Now that one, first."""
-    from bngrad.torch import sync
-
-    def no_collective(*args, **kwargs):
-        raise AssertionError("a collective was started")
-    monkeypatch.setattr(sync.dist, "is_initialized", lambda: True)
-    monkeypatch.setattr(sync.dist, "get_world_size", lambda group=None: 2)
-    monkeypatch.setattr(sync, "_all_gather", no_collective)
-    monkeypatch.setattr(sync.dist, "all_reduce", no_collective)
     layer = SyncBatchNorm(4, process_group="a group", dtype=torch.float64)
     message = ("weight has dtype torch.float64 but input has dtype torch.float32; convert one "
                "of them: weight.to(torch.float32) or input.to(torch.float64)")
